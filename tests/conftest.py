@@ -1,0 +1,33 @@
+import os
+
+import pytest
+import torch
+
+# Tests run offline and small: two threads, no hub access.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def toy_dir(tmp_path_factory):
+    """A small toy dataset: one 8-frame 16x16 clip per seen combination."""
+    from videodit.data.toy import make_toy_dataset
+
+    out = tmp_path_factory.mktemp("toy")
+    make_toy_dataset(out, clips_per_combination=1, num_frames=8, height=16, width=16, seed=0)
+    return out
+
+
+def tiny_overrides(toy_dir, **extra) -> list[str]:
+    """Overrides for a model and run small enough for a unit test."""
+    values = {
+        "data.csv": str(toy_dir / "train.csv"), "data.num_frames": 4, "data.height": 16, "data.width": 16,
+        "data.make_toy_if_missing": False,
+        "model.depth": 1, "model.hidden_size": 32, "model.num_heads": 2, "model.patch_size": "[1,4,4]",
+        "train.batch_size": 4, "train.max_steps": 4, "train.log_every": 1, "train.warmup_steps": 2,
+        "train.threads": 0, "checkpoint.every_steps": 0, "sample.steps": 2,
+        "sample.prompts": "['a red circle moving right']",
+        "diffusion.shift_base_pixels": 256, "diffusion.shift_base_frames": 4,
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]

@@ -1,0 +1,62 @@
+import pytest
+
+from videodit.config import MODEL_PRESETS, load_config, parse_override, to_yaml, from_dict
+from videodit.errors import UserError
+import yaml
+
+
+def test_default_is_tiny_preset_with_geometry_filled_in():
+    cfg = load_config()
+    assert cfg.model.preset == "tiny"
+    assert cfg.model.hidden_size == MODEL_PRESETS["tiny"]["hidden_size"]
+    assert cfg.model.patch_size == MODEL_PRESETS["tiny"]["patch_size"]
+
+
+def test_overrides_apply_and_are_typed():
+    cfg = load_config("tiny", ["train.max_steps=7", "train.lr=1e-3", "model.preset=S", "model.depth=2",
+                               "train.betas=[0.8, 0.9]"])
+    assert cfg.train.max_steps == 7 and isinstance(cfg.train.lr, float)
+    assert cfg.model.hidden_size == MODEL_PRESETS["S"]["hidden_size"] and cfg.model.depth == 2
+    assert cfg.train.betas == [0.8, 0.9]
+
+
+def test_yaml_file_round_trip(tmp_path):
+    cfg = load_config("tiny", ["train.seed=3"])
+    path = tmp_path / "c.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(str(path)) == cfg
+    assert from_dict(yaml.safe_load(to_yaml(cfg))) == cfg
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.max_step=5", "unknown config key train.max_step; did you mean train.max_steps?"),
+    ("nonsense=1", "unknown config key nonsense"),
+    ("train.max_steps=abc", "train.max_steps must be an integer"),
+    ("train.max_steps=1.5", "train.max_steps must be an integer"),
+    ("train.batch_size=-4", "train.batch_size=-4 is too small; it must be >= 1"),
+    ("model.preset=XXL", "model.preset='XXL' is not allowed; choose one of: tiny, S, B, XL"),
+    ("train.precision=fp8", "choose one of: auto, fp32, bf16"),
+    ("model.num_heads=5", "model.num_heads=5 does not divide model.hidden_size=96"),
+    ("train.activation_checkpointing=maybe", "must be true or false"),
+    ("model.patch_size=[1,2]", "model.patch_size must have 3 entries"),
+    ("vae.kind=diffusers", "vae.path is required for vae.kind=diffusers"),
+    ("train", "must look like key.sub=value"),
+])
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(UserError) as info:
+        load_config("tiny", [override])
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_preset_and_missing_file():
+    with pytest.raises(UserError, match="neither a YAML file nor a preset"):
+        load_config("nope")
+    with pytest.raises(UserError, match="does not exist"):
+        load_config("missing.yaml")
+
+
+def test_parse_override_values():
+    assert parse_override("a.b=3") == ("a.b", 3)
+    assert parse_override("a.b=null") == ("a.b", None)
+    assert parse_override("a.b=hello world") == ("a.b", "hello world")

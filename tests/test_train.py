@@ -1,0 +1,114 @@
+"""End-to-end training on a tiny model: outputs, resume, and the CLI's error paths."""
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import tiny_overrides
+from videodit.cli import main
+from videodit.config import load_config
+from videodit.train import Trainer
+
+
+def losses(run_dir):
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_writes_the_run_folder(toy_dir, tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", "--out", str(run), *tiny_overrides(toy_dir)]) == 0
+    assert (run / "config.yaml").is_file() and (run / "run_info.json").is_file()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert {"step", "epoch", "loss", "lr", "grad_norm", "samples_per_s"} <= records[0].keys()
+    assert any((run / "tensorboard").iterdir())
+    ckpt = run / "checkpoints" / "step-0000004"
+    assert set(load_file(str(ckpt / "model.safetensors"))) == set(load_file(str(ckpt / "ema.safetensors")))
+    assert list((run / "samples" / "step-0000004").glob("*.mp4"))
+    # Sampling from the run folder picks the newest checkpoint.
+    out = tmp_path / "clip.gif"
+    assert main(["sample", "--ckpt", str(run), "--prompt", "a blue square moving up", "--steps", "2",
+                 "--out", str(out)]) == 0
+    assert out.stat().st_size > 0
+
+
+def test_resumed_run_continues_with_the_same_losses(toy_dir, tmp_path):
+    common = tiny_overrides(toy_dir, **{"train.max_steps": 6, "train.batch_size": 8,
+                                        "train.deterministic": True})
+    straight = tmp_path / "straight"
+    Trainer(load_config("tiny", common), straight).fit()
+
+    # 3 steps, stop, then resume from that checkpoint for the remaining 3. The epoch has
+    # 6 batches of 8 among 54 clips, so the resume lands mid-epoch.
+    split = tmp_path / "split"
+    Trainer(load_config("tiny", common + ["train.max_steps=3"]), split).fit()
+    Trainer(load_config("tiny", common + ["resume=auto"]), split).fit()
+
+    assert losses(split) == losses(straight)          # bitwise: same data, noise and updates
+    a = load_file(str(straight / "checkpoints/step-0000006/model.safetensors"))
+    b = load_file(str(split / "checkpoints/step-0000006/model.safetensors"))
+    assert all((a[k] == b[k]).all() for k in a)
+    ema_a = load_file(str(straight / "checkpoints/step-0000006/ema.safetensors"))
+    ema_b = load_file(str(split / "checkpoints/step-0000006/ema.safetensors"))
+    assert all((ema_a[k] == ema_b[k]).all() for k in ema_a)
+
+
+def test_gradient_accumulation_and_checkpointing_run(toy_dir, tmp_path):
+    run = tmp_path / "run"
+    overrides = tiny_overrides(toy_dir, **{"train.grad_accum": 2, "train.activation_checkpointing": True,
+                                           "train.max_steps": 2, "train.sample_every": 1})
+    assert main(["train", "--out", str(run), *overrides]) == 0
+    assert len(losses(run)) == 2
+    assert (run / "samples" / "step-0000001").is_dir()
+
+
+def test_activation_checkpointing_gives_the_same_gradients(toy_dir, tmp_path):
+    import torch
+
+    def grads(ac):
+        cfg = load_config("tiny", tiny_overrides(toy_dir, **{"train.activation_checkpointing": ac,
+                                                            "train.seed": 1}))
+        trainer = Trainer(cfg, tmp_path / f"ac{ac}")
+        torch.nn.init.normal_(trainer.model.final_proj.weight, std=0.02)
+        batch = next(trainer._batches())
+        trainer.loss(batch).backward()
+        return {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+
+    plain, checkpointed = grads(False), grads(True)
+    assert plain.keys() == checkpointed.keys()
+    assert all(torch.allclose(plain[n], checkpointed[n], atol=1e-6) for n in plain)
+
+
+def test_existing_run_is_not_overwritten(toy_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--out", str(run), *tiny_overrides(toy_dir, **{"train.max_steps": 1})]) == 0
+    before = (run / "metrics.jsonl").read_text()
+    assert main(["train", "--out", str(run), *tiny_overrides(toy_dir, **{"train.max_steps": 1})]) == 2
+    assert "already holds checkpoints; pass resume=auto" in capsys.readouterr().err
+    assert (run / "metrics.jsonl").read_text() == before
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "train.max_steps=-1"], "train.max_steps=-1 is too small"),
+    (["train", "modle.depth=2"], "unknown config key modle"),
+    (["train", "data.csv=/nonexistent/meta.csv"], "does not exist; set data.csv"),
+    (["sample", "--ckpt", "{tmp}", "--prompt", "x"], "is neither a checkpoint"),
+    (["sample", "--ckpt", "{tmp}", "--prompts", "{tmp}/none.txt"], "prompt file"),
+    (["toy", "eval", "--ckpt", "{tmp}"], "is neither a checkpoint"),
+])
+def test_cli_errors_are_one_line(args, message, tmp_path, capsys):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_csv_missing_columns_is_a_clear_error(tmp_path, capsys):
+    csv = tmp_path / "meta.csv"
+    csv.write_text("path,text,height\nclip.mp4,a red circle moving left,32\n")
+    assert main(["train", "--out", str(tmp_path / "run"), f"data.csv={csv}"]) == 2
+    err = capsys.readouterr().err
+    assert "missing column(s) num_frames, width, aspect_ratio, fps" in err
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,3 @@
+from videodit.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,236 @@
+"""The ``videodit`` command line.
+
+Every subcommand turns a :class:`UserError` into one ``error: ...`` line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from videodit.errors import UserError
+
+
+def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """``[CONFIG] [key=value ...]``: the first argument without '=' names the config."""
+    config = None
+    overrides = []
+    for arg in args:
+        if "=" in arg:
+            overrides.append(arg)
+        elif config is None:
+            config = arg
+        else:
+            raise UserError(f"unexpected argument {arg!r}: give one CONFIG, then key=value overrides")
+    return config, overrides
+
+
+# ---------------------------------------------------------------------------- commands
+
+
+def cmd_train(ns) -> int:
+    from videodit.config import load_config
+    from videodit.train import Trainer
+
+    config, overrides = _split_config_args(ns.args)
+    cfg = load_config(config, overrides)
+    run_dir = Path(ns.out) if ns.out else Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    trainer = Trainer(cfg, run_dir)
+    print(f"run folder: {run_dir}  |  model: {cfg.model.preset}, {trainer.num_params:,} parameters  |  "
+          f"data: {len(trainer.meta)} clips, device: {trainer.device}", flush=True)
+    if trainer.meta.bad_rows:
+        print(f"skipped {len(trainer.meta.bad_rows)} bad CSV row(s), first: line "
+              f"{trainer.meta.bad_rows[0][0]}: {trainer.meta.bad_rows[0][1]}", flush=True)
+    result = trainer.fit()
+    print(f"done: step {result['step']}, loss {result.get('loss', float('nan')):.4f}; samples in "
+          f"{run_dir / 'samples'}, checkpoints in {run_dir / 'checkpoints'}", flush=True)
+    return 0
+
+
+def cmd_sample(ns) -> int:
+    from videodit.sample import Pipeline, write_clips
+    from videodit.data.video import write_video
+
+    prompts = _read_prompts(ns)
+    pipeline = Pipeline(ns.ckpt, device=ns.device)
+    clips = pipeline(prompts, num_frames=ns.num_frames, height=ns.height, width=ns.width, steps=ns.steps,
+                     guidance=ns.cfg, seed=ns.seed)
+    fps = pipeline.cfg.sample.fps
+    out = Path(ns.out)
+    if len(prompts) == 1 and out.suffix in (".mp4", ".gif"):
+        write_video(out, clips[0], fps)
+        paths = [out]
+    else:
+        paths = write_clips(out, prompts, clips, fps, ".gif" if ns.gif else ".mp4")
+    for path in paths:
+        print(path)
+    return 0
+
+
+def _read_prompts(ns) -> list[str]:
+    if ns.prompt is not None:
+        return [ns.prompt]
+    path = Path(ns.prompts)
+    if not path.is_file():
+        raise UserError(f"prompt file {ns.prompts!r} does not exist; pass --prompts FILE with one prompt a line")
+    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise UserError(f"prompt file {ns.prompts!r} holds no prompts; write one prompt a line")
+    return prompts
+
+
+def cmd_config_show(ns) -> int:
+    from videodit.config import load_config, to_yaml
+
+    config, overrides = _split_config_args(ns.args)
+    print(to_yaml(load_config(config, overrides)), end="")
+    return 0
+
+
+def cmd_config_keys(ns) -> int:
+    from videodit.config import describe
+
+    rows = describe()
+    width = max(len(key) for key, _, _ in rows)
+    for key, type_name, help_text in rows:
+        print(f"{key:<{width}}  {help_text}  [{type_name}]")
+    return 0
+
+
+def cmd_toy_make(ns) -> int:
+    from videodit.data.toy import make_toy_dataset
+
+    started = time.time()
+    make_toy_dataset(ns.dir, clips_per_combination=ns.clips_per_combination, num_frames=ns.num_frames,
+                     height=ns.height, width=ns.width, seed=ns.seed)
+    print(f"wrote {ns.dir}/train.csv and {ns.dir}/val.csv in {time.time() - started:.1f}s")
+    return 0
+
+
+def cmd_toy_eval(ns) -> int:
+    from videodit.eval.toy_eval import evaluate
+    from videodit.sample import Pipeline
+
+    pipeline = Pipeline(ns.ckpt, device=ns.device)
+    report = evaluate(pipeline, n=ns.num_prompts, seed=ns.seed, steps=ns.steps, guidance=ns.cfg)
+    if ns.json:
+        print(json.dumps(report))
+        return 0
+    print(f"checkpoint {report['checkpoint']}  ({report['n']} prompts)")
+    print(f"{'group':<10}{'n':>5}{'colour':>10}{'direction':>11}")
+    for name, group in (("all", report), ("seen", report["seen"]), ("held-out", report["heldout"])):
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"   # noqa: E731
+        print(f"{name:<10}{group['n']:>5}{fmt(group['colour_accuracy']):>10}"
+              f"{fmt(group['direction_accuracy']):>11}")
+    return 0
+
+
+def cmd_model_info(ns) -> int:
+    import torch
+
+    from videodit.config import MODEL_PRESETS, load_config
+    from videodit.components import model_geometry
+    from videodit.models.dit import STDiT, count_parameters
+
+    cfg = load_config(ns.config, [])
+    cfg.text.max_length = ns.caption_length
+    print(f"{'preset':<7}{'depth':>6}{'hidden':>8}{'heads':>7}  {'patch':<10}{'parameters':>15}")
+    for name, preset in MODEL_PRESETS.items():
+        cfg.model.preset = name
+        geometry = model_geometry(cfg, ns.latent_channels, ns.caption_channels)
+        with torch.device("meta"):   # count without allocating weights
+            count = count_parameters(STDiT(geometry))
+        print(f"{name:<7}{preset['depth']:>6}{preset['hidden_size']:>8}{preset['num_heads']:>7}  "
+              f"{str(tuple(preset['patch_size'])):<10}{count:>15,}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="videodit", description="Train and sample Open-Sora-style video "
+                                     "diffusion transformers.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train a model", description="Train. CONFIG is a YAML file or a preset "
+                       "name (default: tiny, on the toy dataset); key.sub=value overrides follow it. "
+                       "'videodit config keys' lists every key.")
+    p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]")
+    p.add_argument("--out", help="run folder (default: runs/NAME-TIMESTAMP)")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("sample", help="sample videos from a checkpoint", description="Sample videos.")
+    p.add_argument("--ckpt", required=True, help="run folder (newest checkpoint) or checkpoint folder")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--prompt", help="one prompt")
+    group.add_argument("--prompts", help="file with one prompt a line")
+    p.add_argument("--num-frames", type=int, help="frames (default: the training config's)")
+    p.add_argument("--height", type=int, help="height in pixels (default: the training config's)")
+    p.add_argument("--width", type=int, help="width in pixels (default: the training config's)")
+    p.add_argument("--steps", type=int, help="Euler steps (default: sample.steps)")
+    p.add_argument("--cfg", type=float, help="classifier-free guidance scale (default: sample.cfg)")
+    p.add_argument("--seed", type=int, default=0, help="noise seed")
+    p.add_argument("--out", default="samples", help="output folder, or a .mp4/.gif file for one prompt")
+    p.add_argument("--gif", action="store_true", help="write gif instead of mp4")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("config", help="show the resolved config or list its keys")
+    csub = p.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    q = csub.add_parser("show", help="print the resolved config", description="Print the resolved config.")
+    q.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]")
+    q.set_defaults(func=cmd_config_show)
+    q = csub.add_parser("keys", help="list every config key with its description")
+    q.set_defaults(func=cmd_config_keys)
+
+    p = sub.add_parser("toy", help="the synthetic toy dataset: make it, evaluate a model on it")
+    tsub = p.add_subparsers(dest="toy_command", required=True, metavar="ACTION")
+    q = tsub.add_parser("make", help="write captioned toy clips (mp4) and metadata CSVs",
+                        description="Write DIR/videos/*.mp4, DIR/train.csv and DIR/val.csv.")
+    q.add_argument("dir")
+    q.add_argument("--clips-per-combination", type=int, default=10)
+    q.add_argument("--num-frames", type=int, default=16)
+    q.add_argument("--height", type=int, default=32)
+    q.add_argument("--width", type=int, default=32)
+    q.add_argument("--seed", type=int, default=0)
+    q.set_defaults(func=cmd_toy_make)
+    q = tsub.add_parser("eval", help="colour and motion accuracy of a toy-trained model",
+                        description="Sample toy prompts and measure colour and direction accuracy.")
+    q.add_argument("--ckpt", required=True, help="run folder or checkpoint folder")
+    q.add_argument("--num-prompts", "-n", type=int, default=60, help="prompts (all 60 combinations by default)")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--steps", type=int, help="Euler steps (default: sample.steps)")
+    q.add_argument("--cfg", type=float, help="guidance scale (default: sample.cfg)")
+    q.add_argument("--json", action="store_true", help="print one JSON object")
+    q.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    q.set_defaults(func=cmd_toy_eval)
+
+    p = sub.add_parser("model", help="model presets")
+    msub = p.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    q = msub.add_parser("info", help="print every preset's geometry and parameter count")
+    q.add_argument("--config", default="tiny", help="config whose other model keys apply")
+    q.add_argument("--latent-channels", type=int, default=4, help="VAE latent channels (Open-Sora: 4)")
+    q.add_argument("--caption-channels", type=int, default=4096, help="text embedding width (T5-XXL: 4096)")
+    q.add_argument("--caption-length", type=int, default=300, help="caption tokens (Open-Sora: 300)")
+    q.set_defaults(func=cmd_model_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

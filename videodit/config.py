@@ -1,0 +1,330 @@
+"""The one typed configuration schema.
+
+Every option lives here as a dataclass field with a default and a one-line description
+(``help`` metadata). A config is built from a built-in preset name or a YAML file, then
+``key.sub=value`` overrides; unknown keys and bad values raise :class:`UserError` naming
+the key and what is allowed, before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from videodit.errors import UserError
+
+
+def opt(default: Any, help: str, **kw: Any) -> Any:
+    """A config field: its default and the one-line description shown by ``config show``."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+# Model geometry presets. "depth" counts spatial+temporal block pairs, as STDiT3 does:
+# XL is Open-Sora 1.2's STDiT3-XL/2 (28 pairs, hidden 1152, 16 heads, patch (1,2,2)).
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(depth=3, hidden_size=96, num_heads=4, mlp_ratio=4.0, patch_size=[1, 4, 4]),
+    "S": dict(depth=12, hidden_size=384, num_heads=6, mlp_ratio=4.0, patch_size=[1, 2, 2]),
+    "B": dict(depth=12, hidden_size=768, num_heads=12, mlp_ratio=4.0, patch_size=[1, 2, 2]),
+    "XL": dict(depth=28, hidden_size=1152, num_heads=16, mlp_ratio=4.0, patch_size=[1, 2, 2]),
+}
+
+
+@dataclass
+class ModelConfig:
+    preset: str = opt("tiny", "model geometry preset: tiny, S, B or XL; fields set below override it",
+                      choices=tuple(MODEL_PRESETS))
+    depth: Optional[int] = opt(None, "number of spatial+temporal block pairs (default: from preset)", min=1)
+    hidden_size: Optional[int] = opt(None, "transformer width (default: from preset)", min=1)
+    num_heads: Optional[int] = opt(None, "attention heads (default: from preset)", min=1)
+    mlp_ratio: Optional[float] = opt(None, "MLP hidden size / width (default: from preset)", min=0.0)
+    patch_size: Optional[list[int]] = opt(None, "3D patch (pt, ph, pw) over latents (default: from preset)",
+                                          length=3, min=1)
+    qk_norm: bool = opt(True, "RMS-normalise queries and keys in self-attention")
+    pos_base_grid: int = opt(16, "patch grid side at which spatial positions span their base range")
+
+    def resolved(self) -> "ModelConfig":
+        """A copy with every preset-derived field filled in."""
+        preset = MODEL_PRESETS[self.preset]
+        filled = {k: (v if v is not None else preset.get(k)) for k, v in dataclasses.asdict(self).items()}
+        return ModelConfig(**filled)
+
+
+@dataclass
+class DiffusionConfig:
+    timestep_sampling: str = opt("logit_normal", "training timestep distribution",
+                                 choices=("logit_normal", "uniform"))
+    logit_mean: float = opt(0.0, "mean of the logit-normal timestep distribution")
+    logit_std: float = opt(1.0, "std of the logit-normal timestep distribution", min=0.0)
+    shift: bool = opt(True, "resolution- and length-dependent timestep shift (Open-Sora 1.2)")
+    shift_base_pixels: int = opt(512 * 512, "H*W (pixels) at which the spatial shift ratio is 1", min=1)
+    shift_base_frames: int = opt(1, "latent frames at which the temporal shift ratio is 1", min=1)
+    shift_scale: float = opt(1.0, "extra multiplier on the shift ratio", min=0.0)
+    caption_dropout: float = opt(0.1, "probability of training on the null caption (enables CFG)",
+                                 min=0.0, max=1.0)
+
+
+@dataclass
+class DataConfig:
+    csv: str = opt("videodit-toy/train.csv", "training metadata CSV (Open-Sora columns)")
+    make_toy_if_missing: bool = opt(False, "generate the toy dataset if data.csv is a missing train.csv")
+    num_frames: int = opt(8, "frames per training clip (1 = images)", min=1)
+    frame_interval: int = opt(1, "take every n-th frame of the source clip", min=1)
+    height: int = opt(32, "training height in pixels", min=1)
+    width: int = opt(32, "training width in pixels", min=1)
+    num_workers: int = opt(0, "DataLoader worker processes", min=0)
+
+
+@dataclass
+class VAEConfig:
+    kind: str = opt("identity", "identity (pixels as latents) or diffusers (local folder)",
+                    choices=("identity", "diffusers"))
+    path: Optional[str] = opt(None, "local diffusers autoencoder folder (vae.kind=diffusers)")
+    subfolder: Optional[str] = opt(None, "subfolder of vae.path holding the autoencoder")
+    scaling_factor: Optional[float] = opt(None, "latent scale (default: the model's own config)")
+    micro_batch: int = opt(16, "frames encoded at once by per-frame VAEs", min=1)
+
+
+@dataclass
+class TextConfig:
+    kind: str = opt("toy", "toy (built-in toy vocabulary) or transformers (local folder)",
+                    choices=("toy", "transformers"))
+    path: Optional[str] = opt(None, "local transformers encoder folder (text.kind=transformers)")
+    max_length: int = opt(8, "caption tokens (padded / truncated)", min=1)
+    dim: int = opt(64, "embedding width of the toy encoder", min=1)
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = opt(1000, "optimizer steps to train", min=0)
+    seed: int = opt(0, "seed for initialisation, data order, noise and timesteps")
+    batch_size: int = opt(16, "samples per micro-batch", min=1)
+    grad_accum: int = opt(1, "micro-batches per optimizer step", min=1)
+    lr: float = opt(3e-4, "peak AdamW learning rate", min=0.0)
+    weight_decay: float = opt(0.0, "AdamW weight decay", min=0.0)
+    betas: list[float] = opt([0.9, 0.999], "AdamW betas", length=2, min=0.0, max=1.0)
+    warmup_steps: int = opt(100, "linear LR warm-up steps", min=0)
+    grad_clip: float = opt(1.0, "max global gradient norm (0 disables clipping)", min=0.0)
+    ema_decay: float = opt(0.99, "EMA decay per step (0 disables EMA)", min=0.0, max=1.0)
+    precision: str = opt("auto", "auto (bf16 autocast on GPU, fp32 on CPU), fp32 or bf16",
+                         choices=("auto", "fp32", "bf16"))
+    activation_checkpointing: bool = opt(False, "recompute block activations in backward")
+    device: str = opt("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
+    threads: int = opt(0, "torch CPU threads (0 = torch default)", min=0)
+    deterministic: bool = opt(False, "use deterministic algorithms (bitwise-reproducible on CPU)")
+    log_every: int = opt(10, "steps between metrics lines", min=1)
+    sample_every: int = opt(0, "steps between sample videos (0 = only at the end)", min=0)
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = opt(500, "steps between checkpoints (0 = only at the end)", min=0)
+
+
+@dataclass
+class SampleConfig:
+    prompts: list[str] = opt(["a red circle moving right", "a blue square moving up"],
+                             "prompts for the periodic training samples")
+    steps: int = opt(30, "Euler steps", min=1)
+    cfg: float = opt(4.0, "classifier-free guidance scale (1 = off)", min=0.0)
+    fps: int = opt(8, "frames per second written and given to the model", min=1)
+
+
+@dataclass
+class Config:
+    name: str = opt("tiny", "run name (used for the default output folder)")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    vae: VAEConfig = field(default_factory=VAEConfig)
+    text: TextConfig = field(default_factory=TextConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    resume: Optional[str] = opt(None, "auto (newest checkpoint in the run folder) or a checkpoint path")
+
+
+# ---------------------------------------------------------------------------------------
+# Loading, overriding, validating
+
+
+def builtin_presets() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("videodit.configs").iterdir()
+                  if p.name.endswith(".yaml"))
+
+
+def load_config(source: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Build a validated config from a preset name or YAML path plus ``key=value`` overrides."""
+    raw = _read_source(source or "tiny")
+    for item in overrides or []:
+        key, value = parse_override(item)
+        _set_dotted(raw, key, value)
+    return from_dict(raw)
+
+
+def _read_source(source: str) -> dict:
+    path = Path(source)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise UserError(f"config file {source!r} does not exist; pass a YAML file or one of the "
+                            f"presets: {', '.join(builtin_presets())}")
+        text = path.read_text()
+    elif source in builtin_presets():
+        text = resources.files("videodit.configs").joinpath(f"{source}.yaml").read_text()
+    else:
+        raise UserError(f"{source!r} is neither a YAML file nor a preset; presets: "
+                        f"{', '.join(builtin_presets())}")
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"config {source!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"config {source!r} must be a mapping of keys to values")
+    return raw
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise UserError(f"override {item!r} must look like key.sub=value (e.g. train.max_steps=100)")
+    key, text = item.split("=", 1)
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    return key.strip(), value
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> None:
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise UserError(f"override {key}: {part!r} is a value, not a section")
+    node[parts[-1]] = value
+
+
+def from_dict(raw: dict) -> Config:
+    cfg = _build(Config, raw, prefix="")
+    cfg.model = cfg.model.resolved()
+    _check_consistency(cfg)
+    return cfg
+
+
+def _check_consistency(cfg: Config) -> None:
+    """Constraints between keys, checked before anything is built."""
+    m = cfg.model
+    if m.hidden_size % m.num_heads:
+        valid = [h for h in range(1, m.hidden_size + 1) if m.hidden_size % h == 0 and h <= 64]
+        raise UserError(f"model.num_heads={m.num_heads} does not divide model.hidden_size={m.hidden_size}; "
+                        f"valid: {', '.join(map(str, valid))}")
+    if (m.hidden_size // m.num_heads) % 2:
+        raise UserError(f"head size hidden_size/num_heads={m.hidden_size // m.num_heads} must be even "
+                        "(rotary embeddings rotate pairs); change model.num_heads")
+    if cfg.vae.kind == "diffusers" and not cfg.vae.path:
+        raise UserError("vae.path is required for vae.kind=diffusers: point it to a local diffusers "
+                        "autoencoder folder (nothing is downloaded)")
+    if cfg.text.kind == "transformers" and not cfg.text.path:
+        raise UserError("text.path is required for text.kind=transformers: point it to a local "
+                        "transformers encoder folder (nothing is downloaded)")
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise UserError(f"{prefix.rstrip('.') or 'config'} must be a section (a mapping), got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in raw:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else \
+                f"; allowed: {', '.join(prefix + f for f in fields)}"
+            raise UserError(f"unknown config key {prefix}{key}{hint}")
+    values = {}
+    for name, f in fields.items():
+        if name not in raw:
+            continue
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            values[name] = _build(hint, raw[name], prefix=f"{prefix}{name}.")
+        else:
+            values[name] = _check_value(f"{prefix}{name}", raw[name], hint, f.metadata)
+    return cls(**values)
+
+
+def _check_value(key: str, value: Any, hint: Any, meta: typing.Mapping) -> Any:
+    """Coerce ``value`` to ``hint`` or raise a UserError naming the key and what is allowed."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _check_value(key, value, inner, meta)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise UserError(f"{key} must be a list, got {value!r}")
+        if "length" in meta and len(value) != meta["length"]:
+            raise UserError(f"{key} must have {meta['length']} entries, got {len(value)}")
+        return [_check_value(key, v, args[0], meta) for v in value]
+    if origin is Literal:
+        if value not in args:
+            raise UserError(f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, args))}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise UserError(f"{key} must be true or false, got {value!r}")
+        return value
+    if hint in (int, float):
+        if isinstance(value, str):   # YAML 1.1 reads "1e-3" as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                (hint is int and isinstance(value, float) and not value.is_integer()):
+            raise UserError(f"{key} must be {'an integer' if hint is int else 'a number'}, got {value!r}")
+        value = hint(value)
+        if "min" in meta and value < meta["min"]:
+            raise UserError(f"{key}={value} is too small; it must be >= {meta['min']}")
+        if "max" in meta and value > meta["max"]:
+            raise UserError(f"{key}={value} is too large; it must be <= {meta['max']}")
+        return value
+    if hint is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise UserError(f"{key} must be a string, got {value!r}")
+        value = str(value)
+        if "choices" in meta and value not in meta["choices"]:
+            raise UserError(f"{key}={value!r} is not allowed; choose one of: {', '.join(meta['choices'])}")
+        return value
+    raise TypeError(f"config field {key} has unsupported type {hint}")  # a bug in this file
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, type, help) for every option, for ``config keys``."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            rows += describe(hint, f"{prefix}{f.name}.")
+        else:
+            type_name = str(hint).replace("typing.", "") if not isinstance(hint, type) else hint.__name__
+            rows.append((prefix + f.name, type_name, f.metadata.get("help", "")))
+    return rows

@@ -1,0 +1,75 @@
+"""Rectified flow as Open-Sora 1.2 trains it.
+
+Convention: t in [0, 1], t=0 is data and t=1 is noise,
+``x_t = (1 - t) * x0 + t * noise``, and the model predicts the velocity
+``v = dx_t/dt = noise - x0``. (Open-Sora predicts ``x0 - noise`` with t counted the same
+way; the two differ only in sign.) Sampling integrates from t=1 to t=0 with Euler steps.
+
+Timesteps are drawn logit-normal and then shifted towards noise for larger and longer
+inputs (Open-Sora 1.2's ``timestep_transform``): more tokens carry more redundant signal,
+so the same t destroys relatively less of it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from videodit.config import DiffusionConfig
+
+VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RectifiedFlow:
+    def __init__(self, cfg: DiffusionConfig):
+        self.cfg = cfg
+
+    def shift_ratio(self, height: int, width: int, latent_frames: int) -> float:
+        """sqrt(pixels / base pixels) * sqrt(latent frames / base frames) * scale."""
+        if not self.cfg.shift:
+            return 1.0
+        space = (height * width / self.cfg.shift_base_pixels) ** 0.5
+        time = (latent_frames / self.cfg.shift_base_frames) ** 0.5
+        return space * time * self.cfg.shift_scale
+
+    @staticmethod
+    def shift(t: torch.Tensor, ratio: float) -> torch.Tensor:
+        """Open-Sora's timestep transform: ratio > 1 moves t towards 1 (noise)."""
+        return ratio * t / (1 + (ratio - 1) * t)
+
+    def sample_timesteps(self, batch: int, ratio: float, generator: torch.Generator | None = None,
+                         device=None) -> torch.Tensor:
+        if self.cfg.timestep_sampling == "logit_normal":
+            normal = torch.randn(batch, generator=generator)
+            t = torch.sigmoid(normal * self.cfg.logit_std + self.cfg.logit_mean)
+        else:
+            t = torch.rand(batch, generator=generator)
+        return self.shift(t, ratio).to(device)
+
+    @staticmethod
+    def interpolate(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        t = t.view(-1, *([1] * (x0.dim() - 1))).to(x0.dtype)
+        return (1 - t) * x0 + t * noise
+
+    @staticmethod
+    def velocity_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        return noise - x0
+
+    def sample(self, velocity: VelocityFn, noise: torch.Tensor, steps: int, ratio: float = 1.0,
+               guidance: float = 1.0, uncond_velocity: VelocityFn | None = None) -> torch.Tensor:
+        """Euler integration from t=1 (``noise``) to t=0.
+
+        With ``uncond_velocity`` and ``guidance`` != 1, classifier-free guidance:
+        ``v = v_uncond + guidance * (v_cond - v_uncond)``.
+        """
+        times = self.shift(torch.linspace(1.0, 0.0, steps + 1), ratio)
+        x = noise
+        for t_now, t_next in zip(times[:-1], times[1:]):
+            t_batch = torch.full((x.shape[0],), float(t_now), device=x.device)
+            v = velocity(x, t_batch)
+            if uncond_velocity is not None and guidance != 1.0:
+                v_uncond = uncond_velocity(x, t_batch)
+                v = v_uncond + guidance * (v - v_uncond)
+            x = x + (t_next - t_now).item() * v
+        return x

@@ -1,0 +1,27 @@
+"""Exponential moving average of the model weights, kept in fp32 beside the model."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class EMA:
+    def __init__(self, model: nn.Module, decay: float):
+        self.decay = decay
+        self.shadow = {name: p.detach().float().clone() for name, p in model.named_parameters()}
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        for name, p in model.named_parameters():
+            self.shadow[name].lerp_(p.detach().float(), 1.0 - self.decay)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.shadow)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        missing = self.shadow.keys() - state.keys()
+        if missing:
+            raise KeyError(f"EMA state lacks {sorted(missing)[:3]}")
+        for name, tensor in self.shadow.items():
+            tensor.copy_(state[name])

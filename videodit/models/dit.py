@@ -1,0 +1,169 @@
+"""The spatial-temporal diffusion transformer (STDiT3 family, as in Open-Sora 1.2).
+
+Latents [B, C, T, H, W] are cut into 3D patches, giving a token grid [B, T, S, D] with
+S = H' * W' tokens per frame. Blocks alternate between spatial attention (the S tokens
+of one frame attend to each other) and temporal attention (the T tokens at one spatial
+position attend to each other, with rotary positions over time). Every block also
+cross-attends to the caption tokens. The diffusion time (plus fps) conditions every block
+through one shared adaLN projection (adaLN-single) and a learned per-block table.
+
+This file is pure: no torch.distributed. Parallelism and activation checkpointing are
+applied from outside (``videodit.parallel``, ``videodit.memory``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from videodit.models.layers import (CrossAttention, Mlp, RotaryEmbedding, ScalarEmbedder,
+                                    SelfAttention, modulate, sincos_2d)
+
+
+@dataclass(frozen=True)
+class DiTGeometry:
+    in_channels: int
+    caption_channels: int
+    caption_length: int
+    depth: int
+    hidden_size: int
+    num_heads: int
+    mlp_ratio: float = 4.0
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    qk_norm: bool = True
+    pos_base_grid: int = 16
+
+
+class STBlock(nn.Module):
+    """One transformer block; ``temporal`` picks the axis its self-attention runs over."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float, qk_norm: bool, temporal: bool):
+        super().__init__()
+        self.temporal = temporal
+        self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.attn = SelfAttention(dim, num_heads, qk_norm, kind="temporal" if temporal else "spatial")
+        self.cross_attn = CrossAttention(dim, num_heads)
+        self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio))
+        # adaLN-single: the time embedding is projected once for the whole model; each
+        # block only learns an offset table for its shift/scale/gate of attention and MLP.
+        self.scale_shift_table = nn.Parameter(torch.randn(6, dim) / dim**0.5)
+
+    def forward(self, x, y, y_mask, t_mod, rope):
+        """x: [B, T, S, D]; y: [B, L, D]; y_mask: [B, L]; t_mod: [B, 6, D]."""
+        b, frames, spatial, dim = x.shape
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = \
+            (self.scale_shift_table[None] + t_mod)[:, :, None, None].unbind(1)   # each [B, 1, 1, D]
+
+        h = modulate(self.norm1(x), shift_a, scale_a)
+        if self.temporal:
+            seqs = h.transpose(1, 2).reshape(b * spatial, frames, dim)
+            h = self.attn(seqs, rope).view(b, spatial, frames, dim).transpose(1, 2)
+        else:
+            h = self.attn(h.reshape(b * frames, spatial, dim)).view(b, frames, spatial, dim)
+        x = x + gate_a * h
+
+        x = x + self.cross_attn(x.reshape(b, frames * spatial, dim), y, y_mask).view_as(x)
+        x = x + gate_m * self.mlp(modulate(self.norm2(x), shift_m, scale_m))
+        return x
+
+
+class CaptionEmbedder(nn.Module):
+    """Projects caption tokens to the model width; holds the learned null caption for CFG."""
+
+    def __init__(self, caption_channels: int, length: int, dim: int):
+        super().__init__()
+        self.proj = Mlp(caption_channels, dim, dim)
+        self.null_caption = nn.Parameter(torch.randn(length, caption_channels) / caption_channels**0.5)
+
+    def forward(self, y, y_mask, drop):
+        if drop is not None:
+            y = torch.where(drop[:, None, None], self.null_caption.to(y.dtype)[None], y)
+            y_mask = y_mask | drop[:, None]   # the null caption uses all of its tokens
+        return self.proj(y), y_mask
+
+
+class STDiT(nn.Module):
+    def __init__(self, geometry: DiTGeometry):
+        super().__init__()
+        g = self.geometry = geometry
+        dim = g.hidden_size
+        self.patch_embed = nn.Conv3d(g.in_channels, dim, kernel_size=g.patch_size, stride=g.patch_size)
+        self.t_embedder = ScalarEmbedder(dim, scale=1000.0)    # t in [0, 1] -> DiT's [0, 1000] range
+        self.fps_embedder = ScalarEmbedder(dim)
+        self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.caption_embedder = CaptionEmbedder(g.caption_channels, g.caption_length, dim)
+        self.rope = RotaryEmbedding(dim // g.num_heads)
+        self.spatial_blocks = nn.ModuleList(
+            STBlock(dim, g.num_heads, g.mlp_ratio, g.qk_norm, temporal=False) for _ in range(g.depth))
+        self.temporal_blocks = nn.ModuleList(
+            STBlock(dim, g.num_heads, g.mlp_ratio, g.qk_norm, temporal=True) for _ in range(g.depth))
+        self.final_norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.final_table = nn.Parameter(torch.randn(2, dim) / dim**0.5)
+        self.final_proj = nn.Linear(dim, g.in_channels * g.patch_size[0] * g.patch_size[1] * g.patch_size[2])
+        self._init_weights()
+
+    def _init_weights(self):
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+        nn.init.xavier_uniform_(self.patch_embed.weight.flatten(1))
+        for embedder in (self.t_embedder, self.fps_embedder):
+            for layer in embedder.mlp[0::2]:
+                nn.init.normal_(layer.weight, std=0.02)
+        nn.init.normal_(self.t_block[1].weight, std=0.02)
+        # Start as identity blocks with zero output, as DiT does: the caption path and the
+        # final projection begin at zero so early training is stable.
+        for block in [*self.spatial_blocks, *self.temporal_blocks]:
+            nn.init.zeros_(block.cross_attn.proj.weight)
+        nn.init.zeros_(self.final_proj.weight)
+
+    @property
+    def blocks(self) -> list[STBlock]:
+        """Blocks in execution order: spatial 0, temporal 0, spatial 1, temporal 1, ..."""
+        return [b for pair in zip(self.spatial_blocks, self.temporal_blocks) for b in pair]
+
+    def forward(self, x, t, y, y_mask, fps=None, drop_caption=None):
+        """Predict the rectified-flow velocity.
+
+        x: latents [B, C, T, H, W] (T=1 for images); t: [B] in [0, 1]; y: caption tokens
+        [B, L, caption_channels]; y_mask: [B, L] bool; fps: [B] (optional);
+        drop_caption: [B] bool, replace those captions by the null caption.
+        """
+        b, _, frames, height, width = x.shape
+        pt, ph, pw = self.geometry.patch_size
+        pad = (0, -width % pw, 0, -height % ph, 0, -frames % pt)
+        tokens = self.patch_embed(F.pad(x, pad))                      # [B, D, T', H', W']
+        _, dim, tp, hp, wp = tokens.shape
+        tokens = tokens.flatten(3).transpose(1, 2).transpose(2, 3)    # [B, T', S, D]
+        tokens = tokens + sincos_2d(hp, wp, dim, self.geometry.pos_base_grid, x.device).to(tokens.dtype)
+
+        cond = self.t_embedder(t)
+        if fps is not None:
+            cond = cond + self.fps_embedder(fps)
+        t_mod = self.t_block(cond).view(b, 6, dim)
+        y, y_mask = self.caption_embedder(y, y_mask, drop_caption)
+        rope = self.rope(torch.arange(tp, device=x.device))
+
+        for block in self.blocks:
+            tokens = block(tokens, y, y_mask, t_mod, rope)
+
+        shift, scale = (self.final_table[None] + cond[:, None])[:, :, None, None].unbind(1)
+        out = self.final_proj(modulate(self.final_norm(tokens), shift, scale))
+        return self._unpatchify(out, tp, hp, wp)[:, :, :frames, :height, :width]
+
+    def _unpatchify(self, tokens, tp, hp, wp):
+        """[B, T', S, pt*ph*pw*C] -> [B, C, T'*pt, H'*ph, W'*pw]."""
+        pt, ph, pw = self.geometry.patch_size
+        b, c = tokens.shape[0], self.geometry.in_channels
+        x = tokens.reshape(b, tp, hp, wp, pt, ph, pw, c)
+        x = x.permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return x.reshape(b, c, tp * pt, hp * ph, wp * pw)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

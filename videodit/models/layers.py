@@ -1,0 +1,148 @@
+"""Building blocks of the spatial-temporal DiT: attention, MLP, adaLN, embedders, RoPE.
+
+Attention goes through an :class:`AttentionBackend`. The model never asks whether it runs
+in parallel; ``videodit.parallel`` swaps the backend of every attention module instead.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class AttentionBackend:
+    """Computes attention over ``q, k, v`` of shape [batch, heads, tokens, head_dim].
+
+    ``kind`` says which attention of the block is asking ("spatial", "temporal" or
+    "cross"), so a sequence-parallel backend can decide how to exchange tokens.
+    """
+
+    def __call__(self, q, k, v, *, kind: str, attn_mask=None):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+
+
+SDPA = AttentionBackend()
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale) + shift
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding over one axis (the temporal one in this model)."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of shape [len(positions), head_dim] for :func:`apply_rotary`."""
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [..., tokens, head_dim] by the angles of each token (half-split convention)."""
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool, kind: str):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.kind = kind
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.proj = nn.Linear(dim, dim)
+        self.backend: AttentionBackend = SDPA
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """x: [sequences, tokens, dim]; attention runs within each sequence."""
+        n, length, dim = x.shape
+        qkv = self.qkv(x).view(n, length, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = self.q_norm(qkv[0]), self.k_norm(qkv[1]), qkv[2]
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        out = self.backend(q, k, v, kind=self.kind)
+        return self.proj(out.transpose(1, 2).reshape(n, length, dim))
+
+
+class CrossAttention(nn.Module):
+    """Video tokens attend to caption tokens; padded caption tokens are masked out."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.backend: AttentionBackend = SDPA
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, y_mask: torch.Tensor):
+        """x: [B, N, dim] video tokens; y: [B, L, dim] caption tokens; y_mask: [B, L] bool."""
+        b, n, dim = x.shape
+        q = self.q(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(y).view(b, -1, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        out = self.backend(q, k, v, kind="cross", attn_mask=y_mask[:, None, None, :])
+        return self.proj(out.transpose(1, 2).reshape(b, n, dim))
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int, out: int | None = None):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU(approximate="tanh")
+        self.fc2 = nn.Linear(hidden, out or dim)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def sinusoidal_embedding(values: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """[N] scalars -> [N, dim] sin/cos features (the DiT timestep embedding)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32,
+                                                          device=values.device) / half)
+    args = values.float()[:, None] * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class ScalarEmbedder(nn.Module):
+    """Embeds a scalar per sample (diffusion time, fps) with sin/cos features and an MLP."""
+
+    def __init__(self, dim: int, freq_dim: int = 256, scale: float = 1.0):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.scale = scale
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+
+    def forward(self, values: torch.Tensor) -> torch.Tensor:
+        features = sinusoidal_embedding(values * self.scale, self.freq_dim)
+        return self.mlp(features.to(self.mlp[0].weight.dtype))
+
+
+def sincos_2d(height: int, width: int, dim: int, base_grid: int, device=None) -> torch.Tensor:
+    """[H*W, dim] 2D sin/cos positions for any grid size and aspect ratio.
+
+    Coordinates are scaled so that a grid of ``base_grid`` x ``base_grid`` patches spans
+    [0, base_grid) on both axes and other sizes stretch proportionally to their area
+    (Open-Sora's interpolated positions): the model sees the same range of positions at
+    every resolution, and the aspect ratio is kept.
+    """
+    scale = base_grid / math.sqrt(height * width)
+    rows = torch.arange(height, dtype=torch.float32, device=device) * scale
+    cols = torch.arange(width, dtype=torch.float32, device=device) * scale
+    grid_r, grid_c = torch.meshgrid(rows, cols, indexing="ij")
+    emb_r = sinusoidal_embedding(grid_r.flatten(), dim // 2)
+    emb_c = sinusoidal_embedding(grid_c.flatten(), dim // 2)
+    return torch.cat([emb_r, emb_c], dim=-1)

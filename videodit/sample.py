@@ -1,0 +1,89 @@
+"""Inference: prompts in, videos out (Euler sampling with classifier-free guidance)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from videodit.data.video import write_video
+from videodit.diffusion.rectified_flow import RectifiedFlow
+
+
+@torch.no_grad()
+def generate(model, vae, text, flow: RectifiedFlow, prompts: list[str], *, num_frames: int,
+             height: int, width: int, steps: int, guidance: float, fps: float, seed: int,
+             device: torch.device, batch_size: int = 16) -> np.ndarray:
+    """Sample one clip per prompt: uint8 [N, T, H, W, 3]."""
+    model.eval()
+    clips = []
+    generator = torch.Generator().manual_seed(seed)
+    t_lat, h_lat, w_lat = vae.latent_size(num_frames, height, width)
+    ratio = flow.shift_ratio(height, width, t_lat)
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        n = len(chunk)
+        y, y_mask = text.encode(chunk)
+        fps_t = torch.full((n,), float(fps), device=device)
+        keep, drop = torch.zeros(n, dtype=torch.bool, device=device), torch.ones(n, dtype=torch.bool, device=device)
+        noise = torch.randn((n, vae.latent_channels, t_lat, h_lat, w_lat), generator=generator).to(device)
+
+        def cond(x, t):
+            return model(x, t, y, y_mask, fps_t, keep).float()
+
+        def uncond(x, t):
+            return model(x, t, y, y_mask, fps_t, drop).float()
+
+        latents = flow.sample(cond, noise, steps, ratio, guidance, uncond)
+        video = vae.decode(latents)[:, :, :num_frames]               # [N, 3, T, H, W] in [-1, 1]
+        frames = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        clips.append(frames.permute(0, 2, 3, 4, 1).cpu().numpy())
+    return np.concatenate(clips)
+
+
+def slug(prompt: str, max_len: int = 48) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", prompt.lower()).strip("_")[:max_len] or "prompt"
+
+
+def write_clips(out_dir: Path, prompts: list[str], clips: np.ndarray, fps: float, suffix: str = ".mp4") -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, (prompt, clip) in enumerate(zip(prompts, clips)):
+        path = out_dir / f"{i:02d}-{slug(prompt)}{suffix}"
+        write_video(path, clip, fps)
+        paths.append(path)
+    return paths
+
+
+class Pipeline:
+    """A trained model with its encoders and config, loaded from a checkpoint for sampling."""
+
+    def __init__(self, ckpt_path: str | Path, device: str = "auto", use_ema: bool = True):
+        from videodit.checkpoint import LoadedCheckpoint
+        from videodit.components import build_encoders, build_model, pick_device
+        from videodit.config import from_dict
+
+        ckpt = LoadedCheckpoint(ckpt_path)
+        self.cfg = from_dict(yaml.safe_load(ckpt.config_yaml()))
+        self.device = pick_device(device)
+        self.vae, self.text = build_encoders(self.cfg, self.device)
+        self.model = build_model(self.cfg, self.vae, self.text)
+        stem = "ema" if use_ema and ckpt.has("ema") else "model"
+        self.model.load_state_dict(ckpt.tensors(stem))
+        self.model.to(self.device).eval()
+        self.flow = RectifiedFlow(self.cfg.diffusion)
+        self.checkpoint = ckpt.path
+        self.weights = stem
+
+    def __call__(self, prompts: list[str], *, num_frames: int | None = None, height: int | None = None,
+                 width: int | None = None, steps: int | None = None, guidance: float | None = None,
+                 fps: float | None = None, seed: int = 0) -> np.ndarray:
+        data, sample = self.cfg.data, self.cfg.sample
+        return generate(self.model, self.vae, self.text, self.flow, prompts,
+                        num_frames=num_frames or data.num_frames, height=height or data.height,
+                        width=width or data.width, steps=steps or sample.steps,
+                        guidance=sample.cfg if guidance is None else guidance, fps=fps or sample.fps,
+                        seed=seed, device=self.device)

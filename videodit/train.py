@@ -1,0 +1,291 @@
+"""The Trainer: one readable loop.
+
+    batches -> frozen encoders -> rectified-flow loss -> backward (x grad_accum)
+            -> clip, AdamW step, LR schedule, EMA -> metrics, samples, checkpoints
+
+Features plug in as small objects (EMA, MetricsLogger, checkpoint functions); the loop
+itself stays flat.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from videodit.checkpoint import LoadedCheckpoint, list_checkpoints, save_checkpoint
+from videodit.components import build_encoders, build_model, pick_device
+from videodit.config import Config, to_yaml
+from videodit.data.dataset import VideoDataset, collate
+from videodit.data.metadata import read_metadata
+from videodit.data.sampler import BatchSampler
+from videodit.diffusion.rectified_flow import RectifiedFlow
+from videodit.ema import EMA
+from videodit.errors import UserError
+from videodit.memory.activation import apply_activation_checkpointing
+from videodit.metrics import MetricsLogger, Throughput
+from videodit.models.dit import count_parameters
+from videodit.sample import generate, write_clips
+
+
+def ensure_toy_data(cfg: Config) -> None:
+    """Generate the toy dataset for a toy config (its CSV is a missing ``train.csv``)."""
+    csv = Path(cfg.data.csv)
+    if csv.exists() or not cfg.data.make_toy_if_missing or csv.name != "train.csv":
+        return
+    from videodit.data.toy import make_toy_dataset
+    print(f"generating the toy dataset in {csv.parent} ...", flush=True)
+    make_toy_dataset(csv.parent, seed=cfg.train.seed)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: Path):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.ckpt_root = run_dir / "checkpoints"
+        tc = cfg.train
+        if tc.threads:
+            torch.set_num_threads(tc.threads)
+        if tc.deterministic:
+            torch.use_deterministic_algorithms(True)
+        seed_everything(tc.seed)
+        self.device = pick_device(tc.device)
+        use_bf16 = tc.precision == "bf16" or (tc.precision == "auto" and self.device.type == "cuda")
+        self.autocast_dtype = torch.bfloat16 if use_bf16 else None
+
+        # Data first: a bad CSV should fail before any model is built.
+        ensure_toy_data(cfg)
+        self.meta = read_metadata(cfg.data.csv)
+        self.dataset = VideoDataset(self.meta, cfg.data.num_frames, cfg.data.height, cfg.data.width,
+                                    cfg.data.frame_interval, seed=tc.seed)
+        self.sampler = BatchSampler(len(self.dataset), tc.batch_size, seed=tc.seed)
+        self.loader = DataLoader(self.dataset, batch_sampler=self.sampler, collate_fn=collate,
+                                 num_workers=cfg.data.num_workers)
+
+        self.vae, self.text = build_encoders(cfg, self.device)
+        self.model = build_model(cfg, self.vae, self.text).to(self.device)
+        self.num_params = count_parameters(self.model)
+        if tc.activation_checkpointing:
+            apply_activation_checkpointing(self.model)
+        self.flow = RectifiedFlow(cfg.diffusion)
+        self.ema = EMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=tc.lr, betas=tuple(tc.betas),
+                                           weight_decay=tc.weight_decay)
+        warmup = max(tc.warmup_steps, 1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        # Noise, timesteps and caption dropout draw from their own generator, saved in checkpoints.
+        self.noise_gen = torch.Generator().manual_seed(tc.seed + 1)
+
+        self.step = 0
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self.resumed_from: Path | None = None
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> dict:
+        cfg, tc = self.cfg, self.cfg.train
+        self._prepare_run_dir()
+        self._maybe_resume()
+        metrics = MetricsLogger(self.run_dir)
+        throughput = Throughput()
+        batches = self._batches()
+        bar = tqdm(total=tc.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=None)
+        last = {}
+        try:
+            while self.step < tc.max_steps:
+                micro_batches = [next(batches) for _ in range(tc.grad_accum)]
+                loss, grad_norm = self.train_step(micro_batches)
+                self.step += 1
+                throughput.add(sum(len(b["text"]) for b in micro_batches))
+                bar.update(1)
+                if self.step % tc.log_every == 0 or self.step == tc.max_steps:
+                    last = {"epoch": self.epoch, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
+                            "grad_norm": grad_norm, "samples_per_s": round(throughput.read(), 2)}
+                    metrics.log(self.step, last)
+                    bar.set_postfix(loss=f"{loss:.4f}", sps=f"{last['samples_per_s']:.1f}")
+                    if bar.disable:
+                        print(f"step {self.step}/{tc.max_steps} loss {loss:.4f} "
+                              f"samples/s {last['samples_per_s']:.1f}", flush=True)
+                if tc.sample_every and self.step % tc.sample_every == 0:
+                    self.write_samples()
+                if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
+                    self.save()
+        finally:
+            bar.close()
+            metrics.close()
+        if not list_checkpoints(self.ckpt_root) or list_checkpoints(self.ckpt_root)[-1].name != \
+                f"step-{self.step:07d}":
+            self.save()
+        self.write_samples()
+        return {"step": self.step, **last}
+
+    def train_step(self, micro_batches: list[dict]) -> tuple[float, float]:
+        self.model.train()
+        total = 0.0
+        for batch in micro_batches:
+            loss = self.loss(batch) / len(micro_batches)
+            loss.backward()
+            total += loss.item()
+        clip = self.cfg.train.grad_clip or math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update(self.model)
+        return total, float(grad_norm)
+
+    def loss(self, batch: dict) -> torch.Tensor:
+        """The rectified-flow loss of one micro-batch."""
+        video = batch["video"].to(self.device, non_blocking=True)
+        with torch.no_grad():
+            x0 = self.vae.encode(video)
+            y, y_mask = self.text.encode(batch["text"])
+        n = x0.shape[0]
+        ratio = self.flow.shift_ratio(video.shape[-2], video.shape[-1], x0.shape[2])
+        t = self.flow.sample_timesteps(n, ratio, self.noise_gen, self.device)
+        noise = torch.randn(x0.shape, generator=self.noise_gen).to(self.device)
+        drop = (torch.rand(n, generator=self.noise_gen) < self.cfg.diffusion.caption_dropout).to(self.device)
+        x_t = self.flow.interpolate(x0, noise, t)
+        with self._autocast():
+            v = self.model(x_t, t, y, y_mask, batch["fps"].to(self.device), drop)
+        return F.mse_loss(v.float(), self.flow.velocity_target(x0, noise).float())
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _batches(self):
+        """Batches forever; (epoch, batch_in_epoch) always names the next unconsumed batch."""
+        while True:
+            self.sampler.set_position(self.epoch, self.batch_in_epoch)
+            for batch in self.loader:
+                self.batch_in_epoch += 1
+                yield batch
+            self.epoch += 1
+            self.batch_in_epoch = 0
+
+    # ------------------------------------------------------------------ run folder, samples
+
+    def _prepare_run_dir(self) -> None:
+        if list_checkpoints(self.ckpt_root) and self.cfg.resume is None:
+            raise UserError(f"{self.run_dir} already holds checkpoints; pass resume=auto to continue "
+                            "that run or --out NEW_DIR to start another")
+        (self.run_dir / "samples").mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
+        (self.run_dir / "run_info.json").write_text(json.dumps(run_info(self.num_params), indent=1))
+
+    def write_samples(self) -> list[Path]:
+        cfg = self.cfg
+        model = self.ema_model() if self.ema is not None else self.model
+        clips = generate(model, self.vae, self.text, self.flow, cfg.sample.prompts,
+                         num_frames=cfg.data.num_frames, height=cfg.data.height, width=cfg.data.width,
+                         steps=cfg.sample.steps, guidance=cfg.sample.cfg, fps=cfg.sample.fps,
+                         seed=cfg.train.seed, device=self.device)
+        return write_clips(self.run_dir / "samples" / f"step-{self.step:07d}", cfg.sample.prompts, clips,
+                           cfg.sample.fps)
+
+    def ema_model(self):
+        """A copy of the model holding the EMA weights (for sampling)."""
+        model = build_model(self.cfg, self.vae, self.text).to(self.device)
+        model.load_state_dict(self.ema.state_dict())
+        return model
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self) -> Path:
+        tensors = {"model": self.model.state_dict()}
+        if self.ema is not None:
+            tensors["ema"] = self.ema.state_dict()
+        tensors["rng"] = {"torch_cpu": torch.get_rng_state(), "noise": self.noise_gen.get_state()}
+        if torch.cuda.is_available():
+            tensors["rng"]["torch_cuda"] = torch.cuda.get_rng_state()
+        np_state = np.random.get_state()
+        state = {
+            "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+            "scheduler": self.scheduler.state_dict(),
+            "python_rng": _jsonable(random.getstate()),
+            "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        }
+        return save_checkpoint(self.ckpt_root, self.step, tensors=tensors,
+                               torch_states={"optimizer": self.optimizer.state_dict()},
+                               json_state=state, config_yaml=to_yaml(self.cfg))
+
+    def _maybe_resume(self) -> None:
+        source = self.cfg.resume
+        if source is None:
+            return
+        if source == "auto":
+            found = list_checkpoints(self.ckpt_root)
+            if not found:
+                print(f"resume=auto: no checkpoint in {self.ckpt_root}, starting fresh", flush=True)
+                return
+            source = found[-1]
+        self.load(LoadedCheckpoint(source))
+
+    def load(self, ckpt: LoadedCheckpoint) -> None:
+        self.model.load_state_dict(ckpt.tensors("model"))
+        if self.ema is not None and ckpt.has("ema"):
+            self.ema.load_state_dict(ckpt.tensors("ema"))
+        self.optimizer.load_state_dict(ckpt.torch_state("optimizer"))
+        state = ckpt.json_state()
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+        rng = ckpt.tensors("rng")
+        torch.set_rng_state(rng["torch_cpu"])
+        self.noise_gen.set_state(rng["noise"])
+        if "torch_cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["torch_cuda"])
+        random.setstate(_tuplify(state["python_rng"]))
+        kind, keys, *rest = state["numpy_rng"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+        self.resumed_from = ckpt.path
+        print(f"resumed from {ckpt.path} at step {self.step}", flush=True)
+
+
+def _jsonable(value):
+    return [_jsonable(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+
+def _tuplify(value):
+    return tuple(_tuplify(v) for v in value) if isinstance(value, list) else value
+
+
+def run_info(num_params: int) -> dict:
+    """What produced this run: code version and library versions."""
+    import videodit
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(videodit.__file__).parent,
+                                capture_output=True, text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    versions = {"python": sys.version.split()[0], "torch": torch.__version__, "videodit": videodit.__version__,
+                "numpy": np.__version__}
+    for name in ("av", "safetensors", "diffusers", "transformers"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    return {"git_commit": commit, "versions": versions, "platform": platform.platform(),
+            "num_params": num_params, "command": sys.argv, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
