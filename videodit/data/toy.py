@@ -288,7 +288,9 @@ def _split_jobs(split: str, plan: list[tuple[tuple[str, str, str], bool, int]],
                 "split": split, "index": index, "k": k, "heldout": heldout,
                 "colour": colour, "shape": shape, "direction": direction,
                 "size": sizes[index % len(sizes)],
-                "image": _is_image_slot(index, image_fraction),
+                # Decide images per round of sizes so images and videos both cover
+                # every size (deciding on `index` would tie images to one size).
+                "image": _is_image_slot(index // len(sizes), image_fraction),
             })
     return jobs
 
@@ -311,7 +313,8 @@ def _write_clip(out_dir: Path, job: dict, num_frames: int, fps: float, seed: int
                          height, width, rng)
 
     suffix = ".png" if job["image"] else ".mp4"
-    name = f"{job['split']}_{job['colour']}_{job['shape']}_{job['direction']}_{job['k']:03d}{suffix}"
+    stem = "_".join((job["split"], job["colour"], job["shape"], job["direction"]))
+    name = f"{stem}_{job['k']:03d}{suffix}"
     write_video(out_dir / "videos" / name, frames, fps)
 
     row = {

@@ -25,6 +25,7 @@ Reading
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 from fractions import Fraction
@@ -159,16 +160,17 @@ def write_video(path: str | os.PathLike, frames: np.ndarray, fps: float) -> None
     frames = _check_frames(frames)
     suffix = path.suffix.lower()
     rate = _check_fps(fps)
+    # Validate everything before creating a temporary file.
     if suffix == ".mp4":
-        writer = lambda tmp: _write_mp4(tmp, frames, rate)  # noqa: E731
         _check_even_size(path, frames)
+        writer = functools.partial(_write_mp4, frames=frames, rate=rate)
     elif suffix == ".gif":
-        writer = lambda tmp: _write_gif(tmp, frames, rate)  # noqa: E731
+        writer = functools.partial(_write_gif, frames=frames, rate=rate)
     elif suffix in IMAGE_SUFFIXES:
         if frames.shape[0] != 1:
             raise UserError(f"{path}: a {suffix} image holds one frame but got "
                             f"{frames.shape[0]}; write the clip as .mp4 or .gif")
-        writer = lambda tmp: _write_image(tmp, frames[0], suffix)  # noqa: E731
+        writer = functools.partial(_write_image, rgb=frames[0], suffix=suffix)
     else:
         supported = ", ".join(VIDEO_SUFFIXES + IMAGE_SUFFIXES)
         raise UserError(f"{path}: cannot write {suffix or 'a file without a suffix'}; "
@@ -263,7 +265,8 @@ def read_video(path: str | os.PathLike, *, threaded: bool = True) -> tuple[np.nd
             for frame in container.decode(stream):
                 frames.append(frame.to_ndarray(format="rgb24", threads=_sws_threads(frame)))
         except av.FFmpegError as exc:
-            raise VideoReadError(path, f"decoding failed after {len(frames)} frames: {exc}") from exc
+            reason = f"decoding failed after {len(frames)} frames: {exc}"
+            raise VideoReadError(path, reason) from exc
         fps = _stream_fps(container, stream)
     if not frames:
         raise VideoReadError(path, "the video stream has no decodable frames")

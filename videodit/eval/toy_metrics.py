@@ -117,9 +117,10 @@ def score(results: list[dict]) -> dict:
 
     Each result holds the targets ``colour`` and ``direction``, the measurements
     ``pred_colour`` and ``pred_direction`` (None counts as wrong) and ``heldout``
-    (bool, or the ``"true"``/``"false"`` text of val.csv). Returns ``{"colour_accuracy", "direction_accuracy", "n", "seen": {...},
-    "heldout": {...}}`` where the groups have the same three keys. Accuracies of an
-    empty group are None (not NaN, so the dict stays valid JSON).
+    (bool, or the ``"true"``/``"false"`` text of val.csv). Returns
+    ``{"colour_accuracy", "direction_accuracy", "n", "seen": {...}, "heldout": {...}}``
+    where the groups have the same three keys. Accuracies of an empty group are None
+    (not NaN, so the dict stays valid JSON).
     """
     summary = _accuracies(results)
     summary["seen"] = _accuracies([r for r in results if not _is_heldout(r["heldout"])])

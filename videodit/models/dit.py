@@ -83,6 +83,8 @@ class CaptionEmbedder(nn.Module):
         if drop is not None:
             y = torch.where(drop[:, None, None], self.null_caption.to(y.dtype)[None], y)
             y_mask = y_mask | drop[:, None]   # the null caption uses all of its tokens
+        # An empty caption would mask every key (NaN attention); let it attend to its padding.
+        y_mask = y_mask | ~y_mask.any(dim=1, keepdim=True)
         return self.proj(y), y_mask
 
 

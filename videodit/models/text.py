@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from videodit.data.toy import COLOURS, DIRECTIONS, SHAPES
 from videodit.errors import UserError
 
 TEXT_KINDS = ("toy", "transformers")
@@ -24,13 +25,9 @@ TEXT_KINDS = ("toy", "transformers")
 TOY_MAX_LENGTH = 8
 HF_MAX_LENGTH = 120
 
-# The toy caption grammar: "a {colour} {shape} moving {direction}".
-TOY_COLOURS = ("red", "green", "blue", "yellow", "white")
-TOY_SHAPES = ("circle", "square", "triangle")
-TOY_DIRECTIONS = ("left", "right", "up", "down")
 PAD_TOKEN, UNK_TOKEN = "<pad>", "<unk>"
 # Fixed order: ids must never change, or toy checkpoints would silently mean other words.
-TOY_VOCAB = (PAD_TOKEN, UNK_TOKEN, "a", *TOY_COLOURS, *TOY_SHAPES, "moving", *TOY_DIRECTIONS)
+TOY_VOCAB = (PAD_TOKEN, UNK_TOKEN, "a", *COLOURS, *SHAPES, "moving", *DIRECTIONS)
 
 
 class FrozenTextEncoder(nn.Module):
