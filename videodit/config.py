@@ -82,6 +82,15 @@ class DataConfig:
     height: int = opt(32, "training height in pixels", min=1)
     width: int = opt(32, "training width in pixels", min=1)
     num_workers: int = opt(0, "DataLoader worker processes", min=0)
+    bucket_config: Optional[dict] = opt(None, "Open-Sora bucket_config: resolution -> num_frames -> "
+                                        "[keep_prob or [p_keep, p_frames], batch_size]; see docs/buckets.md")
+    bucket_config_file: Optional[str] = opt(None, "read bucket_config from an Open-Sora .py config "
+                                            "(never executed) or a YAML file")
+    bad_rows: str = opt("skip", "invalid CSV rows: skip them (counted) or error", choices=("skip", "error"))
+    max_bad_fraction: float = opt(0.05, "stop when more than this fraction of file reads fail",
+                                  min=0.0, max=1.0)
+    on_change: str = opt("error", "on resume with a changed dataset or bucket config: error or "
+                         "restart_epoch", choices=("error", "restart_epoch"))
 
 
 @dataclass
@@ -134,6 +143,9 @@ class CheckpointConfig:
 class SampleConfig:
     prompts: list[str] = opt(["a red circle moving right", "a blue square moving up"],
                              "prompts for the periodic training samples")
+    num_frames: Optional[int] = opt(None, "frames of sampled clips (default: data.num_frames)", min=1)
+    height: Optional[int] = opt(None, "height of sampled clips (default: data.height)", min=1)
+    width: Optional[int] = opt(None, "width of sampled clips (default: data.width)", min=1)
     steps: int = opt(30, "Euler steps", min=1)
     cfg: float = opt(4.0, "classifier-free guidance scale (1 = off)", min=0.0)
     fps: int = opt(8, "frames per second written and given to the model", min=1)
@@ -230,6 +242,11 @@ def _check_consistency(cfg: Config) -> None:
     if (m.hidden_size // m.num_heads) % 2:
         raise UserError(f"head size hidden_size/num_heads={m.hidden_size // m.num_heads} must be even "
                         "(rotary embeddings rotate pairs); change model.num_heads")
+    if cfg.data.bucket_config is not None:
+        from videodit.data.buckets import parse_bucket_config
+        if cfg.data.bucket_config_file is not None:
+            raise UserError("set data.bucket_config or data.bucket_config_file, not both")
+        parse_bucket_config(cfg.data.bucket_config)   # raises a UserError naming the bad entry
     if cfg.vae.kind == "diffusers" and not cfg.vae.path:
         raise UserError("vae.path is required for vae.kind=diffusers: point it to a local diffusers "
                         "autoencoder folder (nothing is downloaded)")
@@ -275,6 +292,10 @@ def _check_value(key: str, value: Any, hint: Any, meta: typing.Mapping) -> Any:
         if "length" in meta and len(value) != meta["length"]:
             raise UserError(f"{key} must have {meta['length']} entries, got {len(value)}")
         return [_check_value(key, v, args[0], meta) for v in value]
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise UserError(f"{key} must be a mapping, got {value!r}")
+        return value
     if origin is Literal:
         if value not in args:
             raise UserError(f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, args))}")

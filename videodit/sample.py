@@ -83,7 +83,8 @@ class Pipeline:
                  fps: float | None = None, seed: int = 0) -> np.ndarray:
         data, sample = self.cfg.data, self.cfg.sample
         return generate(self.model, self.vae, self.text, self.flow, prompts,
-                        num_frames=num_frames or data.num_frames, height=height or data.height,
-                        width=width or data.width, steps=steps or sample.steps,
+                        num_frames=num_frames or sample.num_frames or data.num_frames,
+                        height=height or sample.height or data.height,
+                        width=width or sample.width or data.width, steps=steps or sample.steps,
                         guidance=sample.cfg if guidance is None else guidance, fps=fps or sample.fps,
                         seed=seed, device=self.device)

@@ -22,15 +22,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from videodit.checkpoint import LoadedCheckpoint, list_checkpoints, save_checkpoint
 from videodit.components import build_encoders, build_model, pick_device
 from videodit.config import Config, to_yaml
-from videodit.data.dataset import VideoDataset, collate
-from videodit.data.metadata import read_metadata
-from videodit.data.sampler import BatchSampler
+from videodit.data.dataset import BadFileGuard
+from videodit.data.loader import build_training_data
 from videodit.diffusion.rectified_flow import RectifiedFlow
 from videodit.ema import EMA
 from videodit.errors import UserError
@@ -73,12 +71,9 @@ class Trainer:
 
         # Data first: a bad CSV should fail before any model is built.
         ensure_toy_data(cfg)
-        self.meta = read_metadata(cfg.data.csv)
-        self.dataset = VideoDataset(self.meta, cfg.data.num_frames, cfg.data.height, cfg.data.width,
-                                    cfg.data.frame_interval, seed=tc.seed)
-        self.sampler = BatchSampler(len(self.dataset), tc.batch_size, seed=tc.seed)
-        self.loader = DataLoader(self.dataset, batch_sampler=self.sampler, collate_fn=collate,
-                                 num_workers=cfg.data.num_workers)
+        self.data = build_training_data(cfg.data, batch_size=tc.batch_size, seed=tc.seed)
+        self.meta, self.sampler = self.data.meta, self.data.sampler
+        self.bad_files = BadFileGuard(cfg.data.max_bad_fraction)
 
         self.vae, self.text = build_encoders(cfg, self.device)
         self.model = build_model(cfg, self.vae, self.text).to(self.device)
@@ -96,7 +91,7 @@ class Trainer:
 
         self.step = 0
         self.epoch = 0
-        self.batch_in_epoch = 0
+        self.offset = 0          # global batches of this epoch consumed (see data/sampler.py)
         self.resumed_from: Path | None = None
 
     # ------------------------------------------------------------------ the loop
@@ -133,6 +128,8 @@ class Trainer:
         finally:
             bar.close()
             metrics.close()
+            if self.bad_files.summary():
+                print(self.bad_files.summary(), flush=True)
         if not list_checkpoints(self.ckpt_root) or list_checkpoints(self.ckpt_root)[-1].name != \
                 f"step-{self.step:07d}":
             self.save()
@@ -177,14 +174,15 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _batches(self):
-        """Batches forever; (epoch, batch_in_epoch) always names the next unconsumed batch."""
+        """Batches forever; (epoch, offset) always names the next unconsumed global batch."""
         while True:
-            self.sampler.set_position(self.epoch, self.batch_in_epoch)
-            for batch in self.loader:
-                self.batch_in_epoch += 1
+            self.sampler.set_position(self.epoch, self.offset)
+            for batch in self.data.loader:
+                self.offset += self.sampler.dp_size
+                self.bad_files.update(batch)
                 yield batch
             self.epoch += 1
-            self.batch_in_epoch = 0
+            self.offset = 0
 
     # ------------------------------------------------------------------ run folder, samples
 
@@ -200,7 +198,8 @@ class Trainer:
         cfg = self.cfg
         model = self.ema_model() if self.ema is not None else self.model
         clips = generate(model, self.vae, self.text, self.flow, cfg.sample.prompts,
-                         num_frames=cfg.data.num_frames, height=cfg.data.height, width=cfg.data.width,
+                         num_frames=cfg.sample.num_frames or cfg.data.num_frames,
+                         height=cfg.sample.height or cfg.data.height, width=cfg.sample.width or cfg.data.width,
                          steps=cfg.sample.steps, guidance=cfg.sample.cfg, fps=cfg.sample.fps,
                          seed=cfg.train.seed, device=self.device)
         return write_clips(self.run_dir / "samples" / f"step-{self.step:07d}", cfg.sample.prompts, clips,
@@ -223,7 +222,8 @@ class Trainer:
             tensors["rng"]["torch_cuda"] = torch.cuda.get_rng_state()
         np_state = np.random.get_state()
         state = {
-            "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+            "step": self.step, "epoch": self.epoch,
+            "data": self.sampler.state_dict(self.epoch, self.offset),
             "scheduler": self.scheduler.state_dict(),
             "python_rng": _jsonable(random.getstate()),
             "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
@@ -251,7 +251,8 @@ class Trainer:
         self.optimizer.load_state_dict(ckpt.torch_state("optimizer"))
         state = ckpt.json_state()
         self.scheduler.load_state_dict(state["scheduler"])
-        self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+        self.step = state["step"]
+        self.epoch, self.offset = self.sampler.load_state_dict(state["data"], self.cfg.data.on_change)
         rng = ckpt.tensors("rng")
         torch.set_rng_state(rng["torch_cpu"])
         self.noise_gen.set_state(rng["noise"])

@@ -1,6 +1,15 @@
-"""Training samples: decode a clip, pick its frames, resize and crop to the training size."""
+"""Training samples: decode a clip at its bucket's shape, replacing unreadable files.
+
+The dataset is indexed by ``(index, epoch, bucket)`` keys from the bucket sampler. A file
+that fails to decode (truncated, zero-byte, not a video, vanished) is replaced by another
+sample of the same bucket, so the batch keeps its shape; the failure travels with the
+sample (``failed``) so the trainer can count it, even from DataLoader workers.
+"""
 
 from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -8,7 +17,11 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from videodit.data.metadata import Metadata
-from videodit.data.video import read_video
+from videodit.data.video import VideoReadError, read_video
+from videodit.errors import UserError
+
+if TYPE_CHECKING:
+    from videodit.data.loader import BucketPlan
 
 
 def sample_frame_indices(total: int, num_frames: int, interval: int, rng: np.random.Generator) -> np.ndarray:
@@ -32,33 +45,53 @@ def resize_center_crop(video: torch.Tensor, height: int, width: int) -> torch.Te
 
 
 class VideoDataset(Dataset):
-    """Indexed by ``(index, epoch)`` keys from the batch sampler (see ``data/sampler.py``)."""
-
-    def __init__(self, meta: Metadata, num_frames: int, height: int, width: int,
-                 frame_interval: int = 1, seed: int = 0):
+    def __init__(self, meta: Metadata, plan: "BucketPlan", frame_interval: int = 1, seed: int = 0,
+                 max_replacements: int = 8):
         self.meta = meta
-        self.num_frames = num_frames
-        self.height = height
-        self.width = width
+        self.plan = plan
         self.frame_interval = frame_interval
         self.seed = seed
+        self.max_replacements = max_replacements
 
     def __len__(self) -> int:
         return len(self.meta)
 
-    def __getitem__(self, key: tuple[int, int]) -> dict:
-        index, epoch = key
+    def __getitem__(self, key: tuple[int, int, int]) -> dict:
+        index, epoch, bucket = key
+        failed = []
+        for attempt in range(self.max_replacements + 1):
+            try:
+                sample = self.load(index, epoch, bucket)
+                sample["failed"] = failed
+                return sample
+            except VideoReadError as exc:
+                failed.append((self.meta.paths[index], exc.reason))
+                index = self._replacement(index, epoch, bucket, attempt)
+        # Every try failed: a black clip keeps the batch shape; the trainer's bad-file
+        # guard stops the run long before such samples matter.
+        shape = self.plan.buckets[bucket]
+        return {"video": torch.full((3, shape.num_frames, shape.height, shape.width), -1.0),
+                "text": "", "fps": 1.0, "failed": failed}
+
+    def load(self, index: int, epoch: int, bucket: int) -> dict:
+        shape = self.plan.buckets[bucket]
         rng = np.random.default_rng([self.seed, epoch, index])
-        frames, _ = read_video(self.meta.paths[index])
-        picked = frames[sample_frame_indices(len(frames), self.num_frames, self.frame_interval, rng)]
+        frames, fps = read_video(self.meta.paths[index])
+        picked = frames[sample_frame_indices(len(frames), shape.num_frames, self.frame_interval, rng)]
         video = torch.from_numpy(np.ascontiguousarray(picked)).permute(0, 3, 1, 2).float()
-        video = resize_center_crop(video, self.height, self.width)
+        video = resize_center_crop(video, shape.height, shape.width)
         video = (video / 127.5 - 1.0).clamp(-1, 1).permute(1, 0, 2, 3)   # [C, T, H, W] in [-1, 1]
         return {
             "video": video.contiguous(),
             "text": self.meta.texts[index],
-            "fps": self.meta.fps[index] / self.frame_interval,
+            "fps": self.meta.fps[index] / (self.frame_interval if shape.num_frames > 1 else 1),
         }
+
+    def _replacement(self, index: int, epoch: int, bucket: int, attempt: int) -> int:
+        """Another sample of the same bucket this epoch, chosen deterministically."""
+        members = np.flatnonzero(self.plan.assign(epoch) == bucket)
+        rng = np.random.default_rng([self.seed, epoch, index, attempt, 1])
+        return int(members[rng.integers(len(members))])
 
 
 def collate(samples: list[dict]) -> dict:
@@ -66,4 +99,34 @@ def collate(samples: list[dict]) -> dict:
         "video": torch.stack([s["video"] for s in samples]),
         "text": [s["text"] for s in samples],
         "fps": torch.tensor([s["fps"] for s in samples], dtype=torch.float32),
+        "failed": [f for s in samples for f in s["failed"]],
     }
+
+
+class BadFileGuard:
+    """Counts unreadable files; stops the run when more than ``max_fraction`` of reads fail."""
+
+    def __init__(self, max_fraction: float, min_reads: int = 32):
+        self.max_fraction = max_fraction
+        self.min_reads = min_reads
+        self.reads = 0
+        self.failures: Counter = Counter()
+        self.reasons: dict[str, str] = {}
+
+    def update(self, batch: dict) -> None:
+        self.reads += len(batch["text"]) + len(batch["failed"])
+        for path, reason in batch["failed"]:
+            self.failures[path] += 1
+            self.reasons[path] = reason
+        failed = sum(self.failures.values())
+        if self.reads >= self.min_reads and failed > self.max_fraction * self.reads:
+            worst = ", ".join(f"{p} ({self.reasons[p]})" for p, _ in self.failures.most_common(3))
+            raise UserError(f"{failed} of {self.reads} reads failed ({failed / self.reads:.0%} > "
+                            f"data.max_bad_fraction={self.max_fraction}); worst: {worst}; fix or remove "
+                            "these files (videodit data scan reports them) or raise data.max_bad_fraction")
+
+    def summary(self) -> str | None:
+        if not self.failures:
+            return None
+        return (f"skipped {len(self.failures)} unreadable file(s) ({sum(self.failures.values())} failed reads), "
+                f"e.g. {next(iter(self.failures))}: {self.reasons[next(iter(self.failures))]}")

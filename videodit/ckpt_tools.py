@@ -1,0 +1,270 @@
+"""What ``videodit ckpt list|inspect|export`` does: read-only views of a run's checkpoints and
+an atomic export of the weights for sampling or sharing.
+
+    list_run(run_dir) -> rows          format_list(rows) -> str
+    inspect(ckpt) -> dict              format_inspect(info) -> str
+    export(ckpt, out_dir, use_ema=False, dtype="fp32") -> Path
+
+None of these unpickles anything: tensors are read from safetensors headers or files, and
+the optimizer state is never loaded.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors import safe_open
+
+from videodit.checkpoint import (EXPORT_MARK, STAGING_PREFIX, LoadedCheckpoint, _fsync, _warn,
+                                 best_checkpoints, list_checkpoints, read_events, read_manifest, verify_checkpoint,
+                                 write_safetensors)
+from videodit.errors import UserError
+
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _human(size: int | None) -> str:
+    if size is None:
+        return "?"
+    value = float(size)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1024 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{size} B"
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+# ---------------------------------------------------------------------------- list
+
+
+def list_run(run_dir: str | Path, metric: str | None = None, mode: str | None = None) -> list[dict]:
+    """One row per complete checkpoint of a run folder, oldest first.
+
+    Row: ``step, name, path, time, metrics, bytes, marks`` where marks may hold ``best`` (the
+    best by the run's retention metric; the ``keep_best`` best when that is set), ``resumed``
+    (a run resumed from it, per ``checkpoints.jsonl``) and ``damaged`` (a file is missing or
+    has the wrong size; checksums are not read here). ``metric``/``mode`` default to the
+    settings the run logged, else ``val_loss``/``min``.
+    """
+    run_dir = Path(run_dir)
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        if list_checkpoints(run_dir):   # given the checkpoints/ folder itself
+            root, run_dir = run_dir, run_dir.parent
+        else:
+            raise UserError(f"{str(run_dir)!r} has no checkpoints/ folder; pass a run folder written by "
+                            "`videodit train`")
+    events = read_events(run_dir)
+    retention = next((e["retention"] for e in reversed(events)
+                      if e.get("event") == "save" and isinstance(e.get("retention"), dict)), {})
+    metric = metric or retention.get("metric") or "val_loss"
+    mode = mode or retention.get("mode") or "min"
+    keep_best = max(int(retention.get("keep_best") or 0), 1)
+
+    resumed = set()
+    for event in events:
+        if event.get("event") == "resume" and event.get("path"):
+            path = Path(event["path"])
+            resumed.add((path if path.is_absolute() else run_dir / path).resolve())
+
+    rows = []
+    for path in list_checkpoints(root):
+        manifest = read_manifest(path)
+        marks = []
+        files = (manifest or {}).get("files") if isinstance((manifest or {}).get("files"), dict) else None
+        if files is None:
+            marks.append("damaged")
+            size = None
+        else:
+            size = sum(int(info.get("bytes", 0)) for info in files.values())
+            if any(not (path / name).is_file() or (path / name).stat().st_size != info.get("bytes")
+                   for name, info in files.items()):
+                marks.append("damaged")
+        if path.resolve() in resumed:
+            marks.append("resumed")
+        step = (manifest or {}).get("step")
+        rows.append({"step": step if step is not None else int(path.name.split("-")[1]), "name": path.name,
+                     "path": str(path), "time": (manifest or {}).get("saved_at"),
+                     "metrics": (manifest or {}).get("metrics") or {}, "bytes": size, "marks": marks})
+    best = set(best_checkpoints([(Path(r["path"]), r["metrics"]) for r in rows], metric, mode, keep_best))
+    for row in rows:
+        if Path(row["path"]) in best:
+            row["marks"].insert(0, "best")
+    return rows
+
+
+def format_list(rows: list[dict]) -> str:
+    """A plain-text table of :func:`list_run` rows."""
+    if not rows:
+        return "no checkpoints"
+    table = [("step", "saved", "size", "metrics", "marks")]
+    for row in rows:
+        metrics = " ".join(f"{k}={_fmt(v)}" for k, v in row["metrics"].items()) or "-"
+        table.append((str(row["step"]), row["time"] or "?", _human(row["bytes"]), metrics,
+                      ",".join(row["marks"]) or "-"))
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    lines = ["  ".join(cell.ljust(w) if i else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths))).rstrip()
+             for r in table]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- inspect
+
+
+def _tensor_summary(file: Path) -> dict:
+    """Names, shapes, dtypes and counts of a safetensors file, from its header only."""
+    tensors, dtypes, params = [], {}, 0
+    with safe_open(str(file), framework="pt") as handle:
+        for name in handle.keys():
+            view = handle.get_slice(name)
+            shape, dtype = list(view.get_shape()), view.get_dtype()
+            count = 1
+            for dim in shape:
+                count *= dim
+            params += count
+            dtypes[dtype] = dtypes.get(dtype, 0) + 1
+            tensors.append({"name": name, "shape": shape, "dtype": dtype})
+    return {"count": len(tensors), "params": params, "dtypes": dtypes, "tensors": tensors}
+
+
+def inspect(ckpt: str | Path) -> dict:
+    """What a checkpoint (or export) holds: manifest, training-state summary, tensors per file."""
+    loaded = LoadedCheckpoint(ckpt)
+    info = {"path": str(loaded.path), "kind": "export" if loaded.is_export else "checkpoint",
+            "step": loaded.step, "manifest": loaded.manifest, "metrics": loaded.metrics}
+    if loaded.is_export:
+        info["state"] = None
+        info["export"] = loaded.export_config.get(EXPORT_MARK) or {}
+    else:
+        try:
+            state = loaded.json_state()
+        except (OSError, ValueError):
+            state = {}
+        scheduler = state.get("scheduler") if isinstance(state.get("scheduler"), dict) else {}
+        info["state"] = {"step": state.get("step"), "epoch": state.get("epoch"),
+                         "batch_in_epoch": state.get("batch_in_epoch"), "lr": (scheduler.get("_last_lr") or [None])[0],
+                         "keys": sorted(state)}
+    config = yaml.safe_load(loaded.config_yaml()) or {}
+    model = config.get("model") if isinstance(config.get("model"), dict) else {}
+    info["model_config"] = {k: model.get(k) for k in ("preset", "depth", "hidden_size", "num_heads", "patch_size")
+                            if k in model}
+    info["tensors"] = {}
+    for name in sorted(loaded.manifest["files"]):
+        if name.endswith(".safetensors"):
+            try:
+                info["tensors"][name[: -len(".safetensors")]] = _tensor_summary(loaded.path / name)
+            except Exception as exc:   # a damaged header: report, don't crash the listing
+                info["tensors"][name[: -len(".safetensors")]] = {"error": str(exc)}
+    info["total_params"] = info["tensors"].get("model", {}).get("params")
+    return info
+
+
+def format_inspect(info: dict, max_tensors: int = 12) -> str:
+    """Text for :func:`inspect` output; lists at most ``max_tensors`` tensor names per file."""
+    lines = [f"{info['kind']}: {info['path']}", f"step: {info['step']}"]
+    if info.get("total_params") is not None:
+        lines.append(f"parameters: {info['total_params']:,} ({info['total_params'] / 1e6:.2f} M)")
+    if info.get("model_config"):
+        lines.append("model: " + " ".join(f"{k}={v}" for k, v in info["model_config"].items()))
+    if info.get("metrics"):
+        lines.append("metrics: " + " ".join(f"{k}={_fmt(v)}" for k, v in info["metrics"].items()))
+    if info.get("state"):
+        s = info["state"]
+        lines.append(f"state: epoch={s['epoch']} batch_in_epoch={s['batch_in_epoch']} lr={_fmt(s['lr'])}")
+    if info.get("export"):
+        lines.append("export: " + " ".join(f"{k}={v}" for k, v in info["export"].items()))
+    manifest = info["manifest"]
+    if manifest.get("saved_at"):
+        lines.append(f"saved: {manifest['saved_at']} in {manifest.get('save_seconds', '?')} s")
+    lines.append("files:")
+    for name, meta in manifest["files"].items():
+        lines.append(f"  {name:<20} {_human(meta.get('bytes')):>10}")
+    for stem, summary in info["tensors"].items():
+        if "error" in summary:
+            lines.append(f"{stem}: unreadable ({summary['error']})")
+            continue
+        dtypes = ", ".join(f"{d} x{n}" for d, n in sorted(summary["dtypes"].items()))
+        lines.append(f"{stem}: {summary['count']} tensors, {summary['params']:,} values ({dtypes})")
+        for tensor in summary["tensors"][:max_tensors]:
+            lines.append(f"  {tensor['name']:<48} {tensor['dtype']:<5} {tuple(tensor['shape'])}")
+        if summary["count"] > max_tensors:
+            lines.append(f"  ... {summary['count'] - max_tensors} more")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- export
+
+
+def export(ckpt: str | Path, out_dir: str | Path, use_ema: bool = False, dtype: str = "fp32") -> Path:
+    """Write ``out_dir/model.safetensors`` + ``out_dir/config.json`` for sampling, atomically.
+
+    ``use_ema`` takes the EMA weights when the checkpoint has them (else the model weights,
+    with a warning); floating-point tensors are cast to ``dtype`` (fp32, bf16, fp16).
+    ``config.json`` is the checkpoint's config plus ``{"videodit_export": {step, weights, dtype,
+    source}}``. ``out_dir`` must not exist or be empty; nothing is left behind on failure.
+    """
+    if dtype not in EXPORT_DTYPES:
+        raise UserError(f"dtype={dtype!r} is not an export dtype; choose one of: {', '.join(EXPORT_DTYPES)}")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise UserError(f"{out_dir} already exists and is not empty; pass a new output folder or delete it")
+    loaded = LoadedCheckpoint(ckpt)
+    weights = "ema" if use_ema and loaded.has("ema") else "model"
+    if use_ema and weights == "model":
+        _warn(f"{loaded.path} has no EMA weights; exporting the model weights")
+    if not loaded.is_export:
+        problem = verify_checkpoint(loaded.path, [f for f in ("model.safetensors", f"{weights}.safetensors",
+                                                              "config.yaml") if f in loaded.manifest["files"]])
+        if problem:
+            raise UserError(f"checkpoint {loaded.path} is damaged: {problem}; export an earlier checkpoint")
+    tensors = loaded.tensors("model")
+    if weights == "ema":
+        tensors.update(loaded.tensors("ema"))   # EMA covers the parameters; buffers come from the model
+    target = EXPORT_DTYPES[dtype]
+    tensors = {k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()}
+    config = yaml.safe_load(loaded.config_yaml()) or {}
+    config[EXPORT_MARK] = {"step": loaded.step, "weights": weights, "dtype": dtype, "source": str(loaded.path)}
+
+    parent = out_dir.parent
+    staging = parent / f"{STAGING_PREFIX}{out_dir.name}-{os.getpid()}"
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        write_safetensors(staging / "model.safetensors", tensors, {"format": "pt"})
+        text = json.dumps(config, indent=1)
+        with open(staging / "config.json", "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        _fsync(staging)
+        os.replace(staging, out_dir)   # onto a missing or empty folder
+        _fsync(parent)
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        where = f" ({exc.filename})" if exc.filename else ""
+        if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+            fix = f"free space in {parent}"
+        elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            fix = f"make {parent} writable or export to a writable folder"
+        else:
+            fix = f"fix the problem with {parent} and export again"
+        message = " ".join(f"export failed: {reason}{where}; {fix}; nothing was written to {out_dir}".split())
+        raise UserError(message) from exc
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
