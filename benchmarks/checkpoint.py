@@ -1,7 +1,7 @@
 """Checkpoint cost on a model-sized state: save throughput, and the training-loop stall of an
 async save against a synchronous one.
 
-    python benchmarks/checkpoint.py [--preset S] [--repeats 3] [--steps 6] [--dir DIR]
+    python benchmarks/checkpoint.py [--preset S] [--repeats 3] [--steps 5] [--threads N] [--dir DIR]
 
 The state is what the Trainer saves: an STDiT of the preset (3 latent and 64 caption
 channels, the toy setup's), its EMA, its AdamW state after one real step (exp_avg +
@@ -60,7 +60,7 @@ def build(preset: str):
     def payload(step: int) -> dict:
         return {"tensors": {"model": model.state_dict(), "ema": ema, "rng": {"torch_cpu": torch.get_rng_state()}},
                 "torch_states": {"optimizer": optimizer.state_dict()},
-                "json_state": {"step": step, "epoch": 0, "batch_in_epoch": step}, "config_yaml": config_yaml}
+                "json_state": {"step": step, "epoch": 0, "data": {"epoch": 0, "offset": step}}, "config_yaml": config_yaml}
     return model, train_step, payload
 
 
@@ -99,9 +99,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="S")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=6, help="training steps per stall measurement")
+    parser.add_argument("--steps", type=int, default=5, help="training steps per stall measurement")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads for the training steps (0: torch's default); 1 keeps the "
+                             "numbers stable on a machine other jobs are using")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     began = time.perf_counter()
 
     model, train_step, payload = build(args.preset)
@@ -152,8 +157,10 @@ def main() -> None:
             t0 = time.perf_counter()
             if manager is not None:
                 manager.wait()
+            tail = time.perf_counter() - t0
+            if manager is not None:
                 shutil.rmtree(manager.root / "step-0000001")
-            return loop_time, call, time.perf_counter() - t0
+            return loop_time, call, tail
 
         stall = {"none": [], "sync": [], "async": []}
         orders = [("none", "sync", "async"), ("async", "none", "sync"), ("sync", "async", "none")]
@@ -173,7 +180,8 @@ def main() -> None:
     print()
     print(f"| save of {gb:.2f} GB ({args.preset}: model + EMA + AdamW) | seconds | GB/s | vs raw save_file |")
     print("|---|---|---|---|")
-    print(f"| safetensors.torch.save_file, raw (no fsync, no hashes) | {med['raw']:.2f} | {gb / med['raw']:.2f} | 1.00 |")
+    print(f"| safetensors.torch.save_file, raw (no fsync, no hashes) | {med['raw']:.2f} | {gb / med['raw']:.2f} "
+          "| 1.00 |")
     print(f"| safetensors.torch.save_file + fsync | {med['raw_fsync']:.2f} | {gb / med['raw_fsync']:.2f} | "
           f"{med['raw_fsync'] / med['raw']:.2f} |")
     print(f"| CheckpointManager.save (SHA-256, fsync, manifest, rename, log) | {med['manager']:.2f} | "

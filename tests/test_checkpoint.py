@@ -34,7 +34,7 @@ def fake_state(seed: int = 0, n: int = 64):
     return {"tensors": {"model": model, "ema": {k: v.clone() for k, v in model.items()},
                         "rng": {"torch_cpu": torch.get_rng_state()}},
             "torch_states": {"optimizer": optimizer},
-            "json_state": {"step": seed, "epoch": 0, "batch_in_epoch": seed},
+            "json_state": {"step": seed, "epoch": 0, "data": {"epoch": 0, "offset": seed}},
             "config_yaml": "model:\n  preset: tiny\n"}
 
 
@@ -106,7 +106,7 @@ def test_resaving_a_step_replaces_it_whole(tmp_path):
     manager.save(5, **fake_state(1))
     manager.save(5, **fake_state(2))
     assert steps(run) == [5] and leftovers(run) == []
-    assert LoadedCheckpoint(run).json_state()["batch_in_epoch"] == 2
+    assert LoadedCheckpoint(run).json_state()["data"]["offset"] == 2
 
 
 def test_save_checkpoint_function_keeps_working(tmp_path):
@@ -411,7 +411,7 @@ def test_at_most_one_async_save_in_flight(tmp_path, monkeypatch):
         with lock:
             active[0] += 1
             peak[0] = max(peak[0], active[0])
-        time.sleep(0.15)
+        time.sleep(0.3)
         try:
             return real(*args, **kwargs)
         finally:
@@ -422,7 +422,7 @@ def test_at_most_one_async_save_in_flight(tmp_path, monkeypatch):
     manager = CheckpointManager(run, save_total_limit=2)
     started = time.perf_counter()
     manager.save(1, **fake_state(1), blocking=False)
-    assert time.perf_counter() - started < 0.1 and manager.in_flight   # returned before the write
+    assert time.perf_counter() - started < 0.25 and manager.in_flight   # returned before the write
     for step in (2, 3):
         manager.save(step, **fake_state(step), blocking=False)
     manager.wait()
@@ -452,6 +452,26 @@ def test_a_background_failure_surfaces_on_the_next_call(tmp_path, monkeypatch, c
     assert steps(run) == [1, 5]
 
 
+def test_a_process_that_exits_without_wait_still_completes_its_async_save(tmp_path):
+    script = f"""
+import sys, time
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import videodit.checkpoint as ckpt_mod
+from test_checkpoint import fake_state
+real = ckpt_mod._write_checkpoint
+def slow(*args, **kwargs):
+    time.sleep(0.3)   # still writing when the main thread returns
+    return real(*args, **kwargs)
+ckpt_mod._write_checkpoint = slow
+ckpt_mod.CheckpointManager({str(tmp_path / "run")!r}).save(1, **fake_state(1), blocking=False)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "warning" not in done.stderr
+    assert steps(tmp_path / "run") == [1]
+    assert verify_checkpoint(tmp_path / "run" / "checkpoints" / "step-0000001") is None
+
+
 # ---------------------------------------------------------------------------- tools and export
 
 
@@ -468,7 +488,7 @@ def test_list_and_inspect(tmp_path):
     info = inspect(run)
     assert info["step"] == 30 and info["kind"] == "checkpoint" and info["total_params"] == 64 * 64 + 64 + 64
     assert info["tensors"]["model"]["dtypes"] == {"F32": 2, "I64": 1}
-    assert info["state"]["batch_in_epoch"] == 30
+    assert info["state"]["data_offset"] == 30
     text = format_inspect(info)
     assert "blocks.0.weight" in text and "step: 30" in text
     with pytest.raises(UserError, match="has no checkpoints/ folder"):
@@ -533,10 +553,30 @@ def test_export_and_sample_from_the_export(tmp_path):
         export(run, tmp_path / "x", dtype="int8")
 
 
+def odd_tensors():
+    return {"bf16": torch.randn(3, 5).to(torch.bfloat16), "bool": torch.tensor([True, False]),
+            "empty": torch.zeros(0, 4), "scalar": torch.tensor(2.5), "strided": torch.randn(4, 6).t(),
+            "int8": torch.arange(-3, 3, dtype=torch.int8)}
+
+
 def test_write_safetensors_round_trips_odd_tensors(tmp_path):
-    tensors = {"bf16": torch.randn(3, 5).to(torch.bfloat16), "bool": torch.tensor([True, False]),
-               "empty": torch.zeros(0, 4), "scalar": torch.tensor(2.5), "strided": torch.randn(4, 6).t()}
+    tensors = odd_tensors()
     record = write_safetensors(tmp_path / "x.safetensors", tensors)
     assert record["bytes"] == (tmp_path / "x.safetensors").stat().st_size
     back = load_file(str(tmp_path / "x.safetensors"))
     assert all(torch.equal(back[k], v) for k, v in tensors.items())
+
+
+def test_async_save_of_odd_tensors(tmp_path):
+    tensors = odd_tensors()
+    state = {"tensors": {"model": tensors}, "torch_states": {"optimizer": {"state": dict(tensors)}},
+             "json_state": {}, "config_yaml": ""}
+    manager = CheckpointManager(tmp_path / "run")
+    for step in (1, 2):   # the second re-uses the buffers of the first
+        manager.save(step, **state, blocking=False)
+        manager.wait()
+        loaded = LoadedCheckpoint(tmp_path / "run")
+        assert all(torch.equal(loaded.tensors("model")[k], v) for k, v in tensors.items())
+        assert all(torch.equal(loaded.torch_state("optimizer")["state"][k], v) for k, v in tensors.items())
+        for tensor in tensors.values():
+            tensor.add_(1) if tensor.dtype != torch.bool else tensor.logical_not_()

@@ -154,7 +154,7 @@ def inspect(ckpt: str | Path) -> dict:
             state = {}
         scheduler = state.get("scheduler") if isinstance(state.get("scheduler"), dict) else {}
         info["state"] = {"step": state.get("step"), "epoch": state.get("epoch"),
-                         "batch_in_epoch": state.get("batch_in_epoch"), "lr": (scheduler.get("_last_lr") or [None])[0],
+                         "data_offset": (state.get("data") or {}).get("offset"), "lr": (scheduler.get("_last_lr") or [None])[0],
                          "keys": sorted(state)}
     config = yaml.safe_load(loaded.config_yaml()) or {}
     model = config.get("model") if isinstance(config.get("model"), dict) else {}
@@ -182,7 +182,7 @@ def format_inspect(info: dict, max_tensors: int = 12) -> str:
         lines.append("metrics: " + " ".join(f"{k}={_fmt(v)}" for k, v in info["metrics"].items()))
     if info.get("state"):
         s = info["state"]
-        lines.append(f"state: epoch={s['epoch']} batch_in_epoch={s['batch_in_epoch']} lr={_fmt(s['lr'])}")
+        lines.append(f"state: epoch={s['epoch']} data offset={s['data_offset']} global batches lr={_fmt(s['lr'])}")
     if info.get("export"):
         lines.append("export: " + " ".join(f"{k}={v}" for k, v in info["export"].items()))
     manifest = info["manifest"]
@@ -196,7 +196,8 @@ def format_inspect(info: dict, max_tensors: int = 12) -> str:
             lines.append(f"{stem}: unreadable ({summary['error']})")
             continue
         dtypes = ", ".join(f"{d} x{n}" for d, n in sorted(summary["dtypes"].items()))
-        lines.append(f"{stem}: {summary['count']} tensors, {summary['params']:,} values ({dtypes})")
+        noun = "tensor" if summary["count"] == 1 else "tensors"
+        lines.append(f"{stem}: {summary['count']} {noun}, {summary['params']:,} values ({dtypes})")
         for tensor in summary["tensors"][:max_tensors]:
             lines.append(f"  {tensor['name']:<48} {tensor['dtype']:<5} {tuple(tensor['shape'])}")
         if summary["count"] > max_tensors:

@@ -69,6 +69,8 @@ class DiffusionConfig:
     shift_base_pixels: int = opt(512 * 512, "H*W (pixels) at which the spatial shift ratio is 1", min=1)
     shift_base_frames: int = opt(1, "latent frames at which the temporal shift ratio is 1", min=1)
     shift_scale: float = opt(1.0, "extra multiplier on the shift ratio", min=0.0)
+    prediction: str = opt("velocity", "what the model outputs: velocity (Open-Sora) or data (x0, turned "
+                          "into a velocity; learns faster in pixel space)", choices=("velocity", "data"))
     caption_dropout: float = opt(0.1, "probability of training on the null caption (enables CFG)",
                                  min=0.0, max=1.0)
 
@@ -91,6 +93,15 @@ class DataConfig:
                                   min=0.0, max=1.0)
     on_change: str = opt("error", "on resume with a changed dataset or bucket config: error or "
                          "restart_epoch", choices=("error", "restart_epoch"))
+
+
+@dataclass
+class ToyConfig:
+    clips_per_combination: int = opt(10, "toy clips per seen (colour, shape, direction)", min=1)
+    num_frames: int = opt(16, "frames per toy clip", min=1)
+    sizes: list[list[int]] = opt([[32, 32]], "[height, width] of toy clips, cycled (even numbers)")
+    image_fraction: float = opt(0.0, "fraction of training clips written as still images", min=0.0, max=1.0)
+    fps: int = opt(8, "toy clip frame rate", min=1)
 
 
 @dataclass
@@ -137,6 +148,24 @@ class TrainConfig:
 @dataclass
 class CheckpointConfig:
     every_steps: int = opt(500, "steps between checkpoints (0 = only at the end)", min=0)
+    every_minutes: float = opt(0.0, "also save when this many minutes passed since the last save (0 = off)",
+                               min=0.0)
+    save_total_limit: int = opt(0, "keep only the newest K checkpoints (0 = keep all); best ones are kept apart",
+                                min=0)
+    keep_best: int = opt(0, "also keep the best N checkpoints by checkpoint.metric", min=0)
+    metric: str = opt("val_loss", "metric that ranks checkpoints for keep_best")
+    mode: str = opt("min", "whether a smaller (min) or larger (max) metric is better", choices=("min", "max"))
+    async_save: bool = opt(False, "write checkpoints in a background thread (one in flight at most)")
+    on_config_change: str = opt("error", "on resume with a changed config: error or continue",
+                                choices=("error", "continue"))
+
+
+@dataclass
+class ValidationConfig:
+    csv: Optional[str] = opt(None, "held-out metadata CSV for the validation loss (none = no validation)")
+    every_steps: int = opt(0, "steps between validations (0 = at every checkpoint)", min=0)
+    num_timesteps: int = opt(10, "evenly spaced timesteps the loss is averaged over", min=1)
+    max_samples: int = opt(256, "validation samples used at most", min=1)
 
 
 @dataclass
@@ -157,10 +186,12 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    toy: ToyConfig = field(default_factory=ToyConfig)
     vae: VAEConfig = field(default_factory=VAEConfig)
     text: TextConfig = field(default_factory=TextConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     resume: Optional[str] = opt(None, "auto (newest checkpoint in the run folder) or a checkpoint path")
 

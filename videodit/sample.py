@@ -32,10 +32,10 @@ def generate(model, vae, text, flow: RectifiedFlow, prompts: list[str], *, num_f
         noise = torch.randn((n, vae.latent_channels, t_lat, h_lat, w_lat), generator=generator).to(device)
 
         def cond(x, t):
-            return model(x, t, y, y_mask, fps_t, keep).float()
+            return flow.model_velocity(model(x, t, y, y_mask, fps_t, keep).float(), x, t)
 
         def uncond(x, t):
-            return model(x, t, y, y_mask, fps_t, drop).float()
+            return flow.model_velocity(model(x, t, y, y_mask, fps_t, drop).float(), x, t)
 
         latents = flow.sample(cond, noise, steps, ratio, guidance, uncond)
         video = vae.decode(latents)[:, :, :num_frames]               # [N, 3, T, H, W] in [-1, 1]

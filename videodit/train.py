@@ -14,6 +14,7 @@ import json
 import math
 import platform
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -22,11 +23,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+import yaml
 from tqdm import tqdm
 
-from videodit.checkpoint import LoadedCheckpoint, list_checkpoints, save_checkpoint
+from videodit.checkpoint import CheckpointManager, LoadedCheckpoint, checkpoint_name, list_checkpoints
 from videodit.components import build_encoders, build_model, pick_device
-from videodit.config import Config, to_yaml
+from videodit.config import Config, from_dict, to_dict, to_yaml
 from videodit.data.dataset import BadFileGuard
 from videodit.data.loader import build_training_data
 from videodit.diffusion.rectified_flow import RectifiedFlow
@@ -36,6 +38,7 @@ from videodit.memory.activation import apply_activation_checkpointing
 from videodit.metrics import MetricsLogger, Throughput
 from videodit.models.dit import count_parameters
 from videodit.sample import generate, write_clips
+from videodit.validation import Validator
 
 
 def ensure_toy_data(cfg: Config) -> None:
@@ -45,7 +48,10 @@ def ensure_toy_data(cfg: Config) -> None:
         return
     from videodit.data.toy import make_toy_dataset
     print(f"generating the toy dataset in {csv.parent} ...", flush=True)
-    make_toy_dataset(csv.parent, seed=cfg.train.seed)
+    toy = cfg.toy
+    make_toy_dataset(csv.parent, clips_per_combination=toy.clips_per_combination, num_frames=toy.num_frames,
+                     fps=toy.fps, sizes=[tuple(size) for size in toy.sizes], image_fraction=toy.image_fraction,
+                     seed=cfg.train.seed)
 
 
 def seed_everything(seed: int) -> None:
@@ -94,11 +100,22 @@ class Trainer:
         self.offset = 0          # global batches of this epoch consumed (see data/sampler.py)
         self.resumed_from: Path | None = None
 
+        ck = cfg.checkpoint
+        self.checkpoints = CheckpointManager(run_dir, every_steps=ck.every_steps, every_minutes=ck.every_minutes,
+                                             save_total_limit=ck.save_total_limit, keep_best=ck.keep_best,
+                                             metric=ck.metric, mode=ck.mode)
+        self.validator = Validator(cfg, cfg.validation.csv, device=self.device,
+                                   num_timesteps=cfg.validation.num_timesteps,
+                                   max_samples=cfg.validation.max_samples) if cfg.validation.csv else None
+        self.last_validation: dict = {}
+
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> dict:
         cfg, tc = self.cfg, self.cfg.train
         self._prepare_run_dir()
+        for leftover in self.checkpoints.cleanup_staging():
+            print(f"removed {leftover.name}, the leftover of an interrupted save", flush=True)
         self._maybe_resume()
         metrics = MetricsLogger(self.run_dir)
         throughput = Throughput()
@@ -107,34 +124,60 @@ class Trainer:
                    disable=None)
         last = {}
         try:
-            while self.step < tc.max_steps:
-                micro_batches = [next(batches) for _ in range(tc.grad_accum)]
-                loss, grad_norm = self.train_step(micro_batches)
-                self.step += 1
-                throughput.add(sum(len(b["text"]) for b in micro_batches))
-                bar.update(1)
-                if self.step % tc.log_every == 0 or self.step == tc.max_steps:
-                    last = {"epoch": self.epoch, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
-                            "grad_norm": grad_norm, "samples_per_s": round(throughput.read(), 2)}
-                    metrics.log(self.step, last)
-                    bar.set_postfix(loss=f"{loss:.4f}", sps=f"{last['samples_per_s']:.1f}")
-                    if bar.disable:
-                        print(f"step {self.step}/{tc.max_steps} loss {loss:.4f} "
-                              f"samples/s {last['samples_per_s']:.1f}", flush=True)
-                if tc.sample_every and self.step % tc.sample_every == 0:
-                    self.write_samples()
-                if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
-                    self.save()
+            with StopSignals() as stop:
+                while self.step < tc.max_steps and not stop.requested:
+                    micro_batches = [next(batches) for _ in range(tc.grad_accum)]
+                    loss, grad_norm = self.train_step(micro_batches)
+                    self.step += 1
+                    throughput.add(sum(len(b["text"]) for b in micro_batches))
+                    bar.update(1)
+                    if self.step % tc.log_every == 0 or self.step == tc.max_steps:
+                        last = {"epoch": self.epoch, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
+                                "grad_norm": grad_norm, "samples_per_s": round(throughput.read(), 2)}
+                        metrics.log(self.step, last)
+                        bar.set_postfix(loss=f"{loss:.4f}", sps=f"{last['samples_per_s']:.1f}")
+                        if bar.disable:
+                            print(f"step {self.step}/{tc.max_steps} loss {loss:.4f} "
+                                  f"samples/s {last['samples_per_s']:.1f}", flush=True)
+                    saving = self.checkpoints.should_save(self.step)
+                    if self.validator and (saving or self._validation_due()):
+                        self.validate(metrics)
+                    if tc.sample_every and self.step % tc.sample_every == 0:
+                        self.write_samples()
+                    if saving:
+                        self.save()
+                if stop.requested:
+                    print(f"stopping on {stop.requested} after step {self.step}; saving, then resume with "
+                          "resume=auto", flush=True)
+            if not self._saved_at_step():
+                if self.validator:
+                    self.validate(metrics)
+                self.save()
+            self.checkpoints.wait()
         finally:
             bar.close()
             metrics.close()
+            self.checkpoints.wait()
             if self.bad_files.summary():
                 print(self.bad_files.summary(), flush=True)
-        if not list_checkpoints(self.ckpt_root) or list_checkpoints(self.ckpt_root)[-1].name != \
-                f"step-{self.step:07d}":
-            self.save()
-        self.write_samples()
-        return {"step": self.step, **last}
+        if self.step >= tc.max_steps:
+            self.write_samples()
+        return {"step": self.step, **last, **self.last_validation}
+
+    def _validation_due(self) -> bool:
+        every = self.cfg.validation.every_steps
+        return bool(every) and self.step % every == 0
+
+    def _saved_at_step(self) -> bool:
+        self.checkpoints.wait()
+        found = list_checkpoints(self.ckpt_root)
+        return bool(found) and found[-1].name == checkpoint_name(self.step)
+
+    def validate(self, metrics: MetricsLogger) -> dict:
+        model = self.ema_model() if self.ema is not None else self.model
+        self.last_validation = self.validator.evaluate(model, self.vae, self.text, self.flow, self._autocast)
+        metrics.log(self.step, self.last_validation)
+        return self.last_validation
 
     def train_step(self, micro_batches: list[dict]) -> tuple[float, float]:
         self.model.train()
@@ -165,8 +208,9 @@ class Trainer:
         drop = (torch.rand(n, generator=self.noise_gen) < self.cfg.diffusion.caption_dropout).to(self.device)
         x_t = self.flow.interpolate(x0, noise, t)
         with self._autocast():
-            v = self.model(x_t, t, y, y_mask, batch["fps"].to(self.device), drop)
-        return F.mse_loss(v.float(), self.flow.velocity_target(x0, noise).float())
+            out = self.model(x_t, t, y, y_mask, batch["fps"].to(self.device), drop)
+        v = self.flow.model_velocity(out.float(), x_t, t)
+        return F.mse_loss(v, self.flow.velocity_target(x0, noise).float())
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -228,21 +272,25 @@ class Trainer:
             "python_rng": _jsonable(random.getstate()),
             "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
         }
-        return save_checkpoint(self.ckpt_root, self.step, tensors=tensors,
-                               torch_states={"optimizer": self.optimizer.state_dict()},
-                               json_state=state, config_yaml=to_yaml(self.cfg))
+        return self.checkpoints.save(self.step, tensors=tensors,
+                                     torch_states={"optimizer": self.optimizer.state_dict()},
+                                     json_state=state, config_yaml=to_yaml(self.cfg),
+                                     metrics=self.last_validation or None,
+                                     blocking=not self.cfg.checkpoint.async_save)
 
     def _maybe_resume(self) -> None:
         source = self.cfg.resume
         if source is None:
             return
         if source == "auto":
-            found = list_checkpoints(self.ckpt_root)
-            if not found:
+            source = self.checkpoints.latest()
+            if source is None:
                 print(f"resume=auto: no checkpoint in {self.ckpt_root}, starting fresh", flush=True)
                 return
-            source = found[-1]
-        self.load(LoadedCheckpoint(source))
+        ckpt = LoadedCheckpoint(source)
+        check_config_change(ckpt.config_yaml(), self.cfg)
+        self.load(ckpt)
+        self.checkpoints.record_resume(ckpt.path)
 
     def load(self, ckpt: LoadedCheckpoint) -> None:
         self.model.load_state_dict(ckpt.tensors("model"))
@@ -263,6 +311,61 @@ class Trainer:
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
         self.resumed_from = ckpt.path
         print(f"resumed from {ckpt.path} at step {self.step}", flush=True)
+
+
+# Keys that may change between a checkpoint and its resume without changing what is trained.
+RESUMABLE_CHANGES = ("name", "resume", "train.max_steps", "train.log_every", "train.sample_every",
+                     "train.threads", "data.num_workers", "checkpoint.", "validation.", "sample.")
+
+
+def check_config_change(saved_yaml: str, cfg: Config) -> list[str]:
+    """Say what changed since the checkpoint; refuse unless checkpoint.on_config_change=continue."""
+    saved = _flatten(to_dict(from_dict(yaml.safe_load(saved_yaml))))
+    now = _flatten(to_dict(cfg))
+    changed = [f"{key}: {saved.get(key)!r} -> {now.get(key)!r}" for key in sorted(saved.keys() | now.keys())
+               if saved.get(key) != now.get(key) and not key.startswith(RESUMABLE_CHANGES)]
+    if changed and cfg.checkpoint.on_config_change == "error":
+        shown = "; ".join(changed[:4]) + (f"; and {len(changed) - 4} more" if len(changed) > 4 else "")
+        raise UserError(f"the config changed since the checkpoint ({shown}); restore it, or set "
+                        "checkpoint.on_config_change=continue to resume anyway")
+    for line in changed:
+        print(f"config changed since the checkpoint: {line}", flush=True)
+    return changed
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "bucket_config":
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+class StopSignals:
+    """SIGTERM / SIGINT ask the loop to stop after the current step (then it saves)."""
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:   # not the main thread: leave signals alone
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:   # a second signal: stop now
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def _jsonable(value):

@@ -56,6 +56,19 @@ class RectifiedFlow:
     def velocity_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         return noise - x0
 
+    def model_velocity(self, output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The velocity a model output stands for.
+
+        With ``prediction="data"`` the model predicts x0 and ``v = (x_t - x0) / t``
+        (t clamped away from 0); the loss stays a velocity loss. Predicting data is easier
+        than predicting velocity when tokens are high-dimensional pixel patches and the
+        network is narrow, because the model need not carry the noise through.
+        """
+        if self.cfg.prediction == "velocity":
+            return output
+        t = t.view(-1, *([1] * (output.dim() - 1))).to(output.dtype).clamp(min=0.05)
+        return (x_t - output) / t
+
     def sample(self, velocity: VelocityFn, noise: torch.Tensor, steps: int, ratio: float = 1.0,
                guidance: float = 1.0, uncond_velocity: VelocityFn | None = None) -> torch.Tensor:
         """Euler integration from t=1 (``noise``) to t=0.
