@@ -3,8 +3,8 @@ it ends with exactly the weights of an uninterrupted run.
 
     python scripts/kill_test.py --kills 20 --steps 40
 
-Saves happen every step, so many kills land during a save (the log says how many). The
-run uses the tiny model on a small toy set with deterministic CPU settings.
+Saves happen every step and every other kill waits for a save to begin, so about half the
+kills land during a save (the output counts them). The run uses the tiny model on a small toy set with deterministic CPU settings.
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ from safetensors.torch import load_file
 
 def train_command(run: Path, toy: Path, steps: int) -> list[str]:
     overrides = {
-        "data.csv": toy / "train.csv", "data.num_frames": 4, "data.height": 16, "data.width": 16,
+        "data.csv": toy / "train.csv", "data.num_frames": 4, "data.frame_interval": 1, "data.height": 16, "data.width": 16,
         "model.depth": 1, "model.hidden_size": 32, "model.num_heads": 2, "model.patch_size": "[1,4,4]",
         "train.batch_size": 4, "train.max_steps": steps, "train.log_every": 1, "train.deterministic": "true",
         "train.threads": 1, "checkpoint.every_steps": 1, "checkpoint.save_total_limit": 3,
         "sample.steps": 1, "sample.prompts": "['a red circle moving right']", "resume": "auto",
+        "validation.csv": "null",
     }
     return [sys.executable, "-m", "videodit", "train", "--out", str(run),
             *[f"{k}={v}" for k, v in overrides.items()]]
@@ -37,6 +38,11 @@ def train_command(run: Path, toy: Path, steps: int) -> list[str]:
 
 def final_weights(run: Path, steps: int) -> dict:
     return load_file(str(run / "checkpoints" / f"step-{steps:07d}" / "model.safetensors"))
+
+
+def logged_steps(run: Path) -> int:
+    metrics = run / "metrics.jsonl"
+    return metrics.read_text().count("\n") if metrics.exists() else 0
 
 
 def saving_now(run: Path) -> bool:
@@ -52,12 +58,15 @@ def run_with_kills(run: Path, toy: Path, steps: int, kills: int, rng: random.Ran
         proc = subprocess.Popen(train_command(run, toy, steps), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, env=env)
         if stats["kills"] < kills:
-            # Every other kill aims at a save: it fires as soon as a staging folder appears.
+            # Kill after 1-2 more logged steps, at a random moment within the next step;
+            # every other kill waits for a staging folder, i.e. lands during a save.
+            target = logged_steps(run) + rng.randint(1, 2)
             aim_at_save = stats["kills"] % 2 == 1
-            deadline = time.time() + rng.uniform(2.0, 6.0)   # start-up takes ~2 s, then steps are quick
-            while proc.poll() is None and time.time() < deadline + (10 if aim_at_save else 0):
-                if time.time() >= deadline and (not aim_at_save or saving_now(run)):
-                    break
+            deadline = time.time() + 120
+            while proc.poll() is None and time.time() < deadline and logged_steps(run) < target:
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0.0, 0.2))
+            while aim_at_save and proc.poll() is None and time.time() < deadline and not saving_now(run):
                 time.sleep(0.0005)
             if proc.poll() is None:
                 during_save = saving_now(run)

@@ -22,12 +22,12 @@ def tiny_overrides(toy_dir, **extra) -> list[str]:
     """Overrides for a model and run small enough for a unit test."""
     values = {
         "data.csv": str(toy_dir / "train.csv"), "data.num_frames": 4, "data.height": 16, "data.width": 16,
-        "data.make_toy_if_missing": False,
+        "data.make_toy_if_missing": False, "data.frame_interval": 1,
         "model.depth": 1, "model.hidden_size": 32, "model.num_heads": 2, "model.patch_size": "[1,4,4]",
         "train.batch_size": 4, "train.max_steps": 4, "train.log_every": 1, "train.warmup_steps": 2,
         "train.threads": 0, "checkpoint.every_steps": 0, "sample.steps": 2,
         "sample.prompts": "['a red circle moving right']",
-        "diffusion.shift_base_pixels": 256, "diffusion.shift_base_frames": 4,
+        "diffusion.shift_base_pixels": 256, "diffusion.shift_base_frames": 4, "validation.csv": "null",
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]

@@ -112,3 +112,34 @@ def test_csv_missing_columns_is_a_clear_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "missing column(s) num_frames, width, aspect_ratio, fps" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_resume_after_a_config_change_says_what_changed(toy_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    base = tiny_overrides(toy_dir, **{"train.max_steps": 2})
+    assert main(["train", "--out", str(run), *base]) == 0
+    changed = base + ["train.lr=0.01", "train.max_steps=3", "resume=auto"]
+    assert main(["train", "--out", str(run), *changed]) == 2
+    err = capsys.readouterr().err
+    assert "train.lr: 0.001 -> 0.01" in err and "checkpoint.on_config_change=continue" in err
+    assert not (run / "checkpoints" / "step-0000003").exists()
+    assert main(["train", "--out", str(run), *changed, "checkpoint.on_config_change=continue"]) == 0
+    assert "config changed since the checkpoint: train.lr" in capsys.readouterr().out
+    assert (run / "checkpoints" / "step-0000003").is_dir()
+
+
+def test_validation_loss_is_fixed_and_ranks_checkpoints(toy_dir, tmp_path):
+    import torch
+
+    overrides = tiny_overrides(toy_dir, **{"validation.csv": str(toy_dir / "val.csv"), "train.max_steps": 4,
+                                           "checkpoint.every_steps": 2, "checkpoint.keep_best": 1,
+                                           "checkpoint.save_total_limit": 1})
+    trainer = Trainer(load_config("tiny", overrides), tmp_path / "run")
+    first = trainer.validator.evaluate(trainer.model, trainer.vae, trainer.text, trainer.flow, trainer._autocast)
+    again = trainer.validator.evaluate(trainer.model, trainer.vae, trainer.text, trainer.flow, trainer._autocast)
+    assert first == again and "val_loss" in first and any(k.startswith("val_loss/4x16x16") for k in first)
+    assert torch.is_grad_enabled()
+    trainer.fit()
+    lines = [json.loads(line) for line in (tmp_path / "run" / "checkpoints.jsonl").read_text().splitlines()]
+    saves = [line for line in lines if line["event"] == "save"]
+    assert [s["step"] for s in saves] == [2, 4] and all("val_loss" in s["metrics"] for s in saves)

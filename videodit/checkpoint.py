@@ -460,16 +460,25 @@ def _write_checkpoint(root: Path, step: int, *, tensors: dict[str, dict[str, tor
     return final, sum(f["bytes"] for f in files.values()) + len(text.encode())
 
 
-def _save_error(step: int, root: Path, exc: OSError) -> UserError:
+def describe_os_error(exc: OSError) -> tuple[str, str]:
+    """(what happened, with the file; which kind: "space", "permission" or "other")."""
     reason = exc.strerror or str(exc) or type(exc).__name__
     where = f" ({exc.filename})" if exc.filename else ""
     if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
-        fix = f"free space in {root} or lower checkpoint.save_total_limit"
+        kind = "space"
     elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        fix = f"make {root} writable or train with --out pointing at a writable folder"
+        kind = "permission"
     else:
-        fix = f"fix the problem with {root}, then continue with resume=auto"
-    message = f"checkpoint save failed at step {step}: {reason}{where}; {fix}; earlier checkpoints are intact"
+        kind = "other"
+    return reason + where, kind
+
+
+def _save_error(step: int, root: Path, exc: OSError) -> UserError:
+    what, kind = describe_os_error(exc)
+    fix = {"space": f"free space in {root} or lower checkpoint.save_total_limit",
+           "permission": f"make {root} writable or train with --out pointing at a writable folder",
+           "other": f"fix the problem with {root}, then continue with resume=auto"}[kind]
+    message = f"checkpoint save failed at step {step}: {what}; {fix}; earlier checkpoints are intact"
     return UserError(" ".join(message.split()))
 
 

@@ -11,7 +11,6 @@ the optimizer state is never loaded.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -21,7 +20,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from videodit.checkpoint import (EXPORT_MARK, STAGING_PREFIX, LoadedCheckpoint, _fsync, _warn,
+from videodit.checkpoint import (EXPORT_MARK, describe_os_error, STAGING_PREFIX, LoadedCheckpoint, _fsync, _warn,
                                  best_checkpoints, list_checkpoints, read_events, read_manifest, verify_checkpoint,
                                  write_safetensors)
 from videodit.errors import UserError
@@ -255,15 +254,11 @@ def export(ckpt: str | Path, out_dir: str | Path, use_ema: bool = False, dtype: 
         _fsync(parent)
     except OSError as exc:
         shutil.rmtree(staging, ignore_errors=True)
-        reason = exc.strerror or str(exc) or type(exc).__name__
-        where = f" ({exc.filename})" if exc.filename else ""
-        if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
-            fix = f"free space in {parent}"
-        elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            fix = f"make {parent} writable or export to a writable folder"
-        else:
-            fix = f"fix the problem with {parent} and export again"
-        message = " ".join(f"export failed: {reason}{where}; {fix}; nothing was written to {out_dir}".split())
+        what, kind = describe_os_error(exc)
+        fix = {"space": f"free space in {parent}",
+               "permission": f"make {parent} writable or export to a writable folder",
+               "other": f"fix the problem with {parent} and export again"}[kind]
+        message = " ".join(f"export failed: {what}; {fix}; nothing was written to {out_dir}".split())
         raise UserError(message) from exc
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -177,7 +177,8 @@ class SampleConfig:
     width: Optional[int] = opt(None, "width of sampled clips (default: data.width)", min=1)
     steps: int = opt(30, "Euler steps", min=1)
     cfg: float = opt(4.0, "classifier-free guidance scale (1 = off)", min=0.0)
-    fps: int = opt(8, "frames per second written and given to the model", min=1)
+    fps: int = opt(8, "frames per second given to the model and written (match the training clips' "
+                   "fps / data.frame_interval)", min=1)
 
 
 @dataclass

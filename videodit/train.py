@@ -112,7 +112,7 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> dict:
-        cfg, tc = self.cfg, self.cfg.train
+        tc = self.cfg.train
         self._prepare_run_dir()
         for leftover in self.checkpoints.cleanup_staging():
             print(f"removed {leftover.name}, the leftover of an interrupted save", flush=True)

@@ -26,7 +26,7 @@ class Validator:
                  max_samples: int = 256):
         self.device = device
         self.timesteps = [(i + 0.5) / num_timesteps for i in range(num_timesteps)]
-        meta = read_metadata(csv, bad_rows="skip")
+        meta = read_metadata(csv, bad_rows="skip", option="validation.csv")
         self.plan = BucketPlan(meta, cfg.data, cfg.train.batch_size, seed=cfg.train.seed)
         dataset = VideoDataset(meta, self.plan, cfg.data.frame_interval, seed=cfg.train.seed)
         # Epoch 0's assignment, with every bucket's samples in order: the same set every time.

@@ -10,7 +10,7 @@ import yaml
 from torch.utils.data import DataLoader
 
 from videodit.config import DataConfig
-from videodit.data.buckets import (Assignment, Bucket, DropReason, assign_buckets, build_buckets,
+from videodit.data.buckets import (Assignment, Bucket, assign_buckets, build_buckets,
                                    load_opensora_bucket_config, parse_bucket_config)
 from videodit.data.dataset import VideoDataset, collate
 from videodit.data.metadata import Metadata, read_metadata

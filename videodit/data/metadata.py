@@ -8,6 +8,7 @@ problem is collected before reporting: missing columns by name, bad rows by CSV 
 from __future__ import annotations
 
 import csv
+import io
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,15 +38,16 @@ class Metadata:
         return len(self.paths)
 
 
-def read_metadata(csv_path: str | Path, bad_rows: str = "skip") -> Metadata:
+def read_metadata(csv_path: str | Path, bad_rows: str = "skip", option: str = "data.csv") -> Metadata:
     """Read and validate a metadata CSV.
 
     ``bad_rows="skip"`` drops invalid rows (listed in ``Metadata.bad_rows``);
-    ``"error"`` refuses the file, naming every bad row.
+    ``"error"`` refuses the file, naming every bad row. ``option`` is the config key named
+    when the file is missing.
     """
     csv_path = Path(csv_path)
     if not csv_path.is_file():
-        raise UserError(f"metadata CSV {str(csv_path)!r} does not exist; set data.csv to an existing file")
+        raise UserError(f"metadata CSV {str(csv_path)!r} does not exist; set {option} to an existing file")
     with open(csv_path, newline="", encoding="utf-8") as handle:
         reader = csv.DictReader(handle)
         header = reader.fieldnames or []
@@ -98,3 +100,15 @@ def _row_problem(row: dict) -> str | None:
         if name in _POSITIVE_INT and not value.is_integer():
             return f"{name}={text!r} must be a whole number"
     return None
+
+
+def write_csv(path: str | Path, columns: tuple[str, ...] | list[str], rows: list[dict]) -> None:
+    """Write ``rows`` as CSV atomically, with ``\\n`` line ends for stable bytes."""
+    from videodit.data.video import atomic_output   # video.py pulls in PyAV; metadata stays light
+
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(columns), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    with atomic_output(path) as tmp:
+        tmp.write_text(buffer.getvalue(), encoding="utf-8", newline="")

@@ -54,9 +54,8 @@ from typing import Callable
 import av
 from tqdm import tqdm
 
-from videodit.data.metadata import REQUIRED_COLUMNS, read_metadata
-from videodit.data.video import (IMAGE_SUFFIXES, VIDEO_SUFFIXES, VideoReadError, atomic_output,
-                                 is_image_path, probe_video)
+from videodit.data.metadata import REQUIRED_COLUMNS, read_metadata, write_csv
+from videodit.data.video import (IMAGE_SUFFIXES, VIDEO_SUFFIXES, VideoReadError, is_image_path, probe_video)
 from videodit.errors import UserError
 
 __all__ = ["SCAN_COLUMNS", "REPORT_COLUMNS", "FILTER_REASONS", "error_report_path", "scan",
@@ -140,8 +139,8 @@ def scan(paths: list[str], out_csv: str, captions: str | None = None, workers: i
                      "width": width, "aspect_ratio": height / width, "fps": info["fps"],
                      "resolution": height * width})
 
-    _write_csv(report, REPORT_COLUMNS, errors)
-    _write_csv(out_csv, SCAN_COLUMNS, rows)
+    write_csv(report, REPORT_COLUMNS, errors)
+    write_csv(out_csv, SCAN_COLUMNS, rows)
     return {
         "found": len(files),
         "ok": len(rows),
@@ -453,7 +452,7 @@ def filter_metadata(in_csv: str, out_csv: str, min_frames: int | None = None,
         else:
             dropped_by[reason] += 1
 
-    _write_csv(out_csv, tuple(header), kept)
+    write_csv(out_csv, tuple(header), kept)
     total = len(meta) + len(meta.bad_rows)
     return {"rows": total, "kept": len(kept), "dropped": total - len(kept), "dropped_by": dropped_by,
             "invalid_rows": list(meta.bad_rows), "csv": str(out_csv)}
@@ -462,11 +461,3 @@ def filter_metadata(in_csv: str, out_csv: str, min_frames: int | None = None,
 # --------------------------------------------------------------------------- output
 
 
-def _write_csv(path: Path, columns: tuple[str, ...], rows: list[dict]) -> None:
-    """Write ``rows`` as CSV atomically, ``\\n`` line ends (like the toy dataset's CSVs)."""
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(columns), lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    with atomic_output(path) as tmp:
-        tmp.write_text(buffer.getvalue(), encoding="utf-8", newline="")

@@ -18,8 +18,6 @@ with ``path`` relative to the CSV's folder and ``aspect_ratio = height / width``
 
 from __future__ import annotations
 
-import csv
-import io
 import itertools
 import os
 import time
@@ -27,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from videodit.data.video import IMAGE_FPS, atomic_output, write_video
+from videodit.data.metadata import write_csv
+from videodit.data.video import IMAGE_FPS, write_video
 from videodit.errors import UserError
 
 __all__ = [
@@ -234,8 +233,8 @@ def make_toy_dataset(out_dir: str | os.PathLike, clips_per_combination: int = 10
 
     train_rows = [_write_clip(out_dir, job, num_frames, fps, seed) for job in train_jobs]
     val_rows = [_write_clip(out_dir, job, num_frames, fps, seed) for job in val_jobs]
-    _write_csv(out_dir / "train.csv", CSV_COLUMNS, train_rows)
-    _write_csv(out_dir / "val.csv", CSV_COLUMNS + ("heldout",), val_rows)
+    write_csv(out_dir / "train.csv", CSV_COLUMNS, train_rows)
+    write_csv(out_dir / "val.csv", CSV_COLUMNS + ("heldout",), val_rows)
 
     all_rows = train_rows + val_rows
     num_images = sum(row["path"].endswith(".png") for row in all_rows)
@@ -331,11 +330,3 @@ def _write_clip(out_dir: Path, job: dict, num_frames: int, fps: float, seed: int
     return row
 
 
-def _write_csv(path: Path, columns: tuple[str, ...], rows: list[dict]) -> None:
-    """Write ``rows`` as CSV atomically, with ``\\n`` line ends for stable bytes."""
-    buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=list(columns), lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    with atomic_output(path) as tmp:
-        tmp.write_text(buffer.getvalue(), encoding="utf-8", newline="")

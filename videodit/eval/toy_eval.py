@@ -19,9 +19,9 @@ def toy_prompts(n: int) -> list[tuple[str, str, str]]:
 
 
 def evaluate(pipeline: Pipeline, n: int = 60, seed: int = 0, steps: int | None = None,
-             guidance: float | None = None) -> dict:
+             guidance: float | None = None, fps: float | None = None) -> dict:
     combos = toy_prompts(n)
-    clips = pipeline([caption(*c) for c in combos], steps=steps, guidance=guidance, seed=seed)
+    clips = pipeline([caption(*c) for c in combos], steps=steps, guidance=guidance, fps=fps, seed=seed)
     results = []
     for (colour, shape, direction), clip in zip(combos, clips):
         measured = measure_clip(clip)
