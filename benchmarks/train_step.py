@@ -1,6 +1,6 @@
 """Trainer step time against a minimal hand-written loop on the same model and batch.
 
-    python benchmarks/train_step.py [--preset tiny] [--steps 30] [--batch-size 16]
+    python benchmarks/train_step.py [--preset tiny] [--steps 30] [--batch-size 32]
 
 Both sides do the same work per step: text encoding, VAE encoding, timesteps and noise,
 forward, backward, clipping, AdamW. The Trainer additionally updates the LR schedule
@@ -43,14 +43,15 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         toy = Path(tmp) / "toy"
-        make_toy_dataset(toy, clips_per_combination=1)
-        cfg = load_config("tiny", [f"data.csv={toy / 'train.csv'}", f"model.preset={args.preset}",
-                                   f"train.batch_size={args.batch_size}"])
+        make_toy_dataset(toy, clips_per_combination=1, height=16, width=16)
+        overrides = [f"data.csv={toy / 'train.csv'}", f"train.batch_size={args.batch_size}", "validation.csv=null"]
+        overrides.append(f"model.preset={args.preset}")
+        cfg = load_config("tiny", overrides)
         trainer = Trainer(cfg, Path(tmp) / "run")
         batch = next(trainer._batches())
         model = type(trainer.model)(trainer.model.geometry)

@@ -1,7 +1,7 @@
 """Kill a training run with SIGKILL at random moments, resume it each time, and check that
 it ends with exactly the weights of an uninterrupted run.
 
-    python scripts/kill_test.py --kills 20 --steps 40
+    python scripts/kill_test.py --kills 20 --steps 80
 
 Saves happen every step and every other kill waits for a save to begin, so about half the
 kills land during a save (the output counts them). The run uses the tiny model on a small toy set with deterministic CPU settings.
@@ -88,7 +88,7 @@ def run_with_kills(run: Path, toy: Path, steps: int, kills: int, rng: random.Ran
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 

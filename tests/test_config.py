@@ -8,13 +8,12 @@ import yaml
 def test_default_is_tiny_preset_with_geometry_filled_in():
     cfg = load_config()
     assert cfg.model.preset == "tiny"
-    assert cfg.model.num_heads == MODEL_PRESETS["tiny"]["num_heads"]        # from the preset
-    assert cfg.model.hidden_size == 128                                     # set by tiny.yaml
+    assert cfg.model.hidden_size == MODEL_PRESETS["tiny"]["hidden_size"]
     assert cfg.model.patch_size == MODEL_PRESETS["tiny"]["patch_size"]
 
 
 def test_overrides_apply_and_are_typed():
-    cfg = load_config("tiny", ["train.max_steps=7", "train.lr=1e-3", "model.preset=S", "model.hidden_size=null", "model.depth=2",
+    cfg = load_config("tiny", ["train.max_steps=7", "train.lr=1e-3", "model.preset=S", "model.depth=2",
                                "train.betas=[0.8, 0.9]"])
     assert cfg.train.max_steps == 7 and isinstance(cfg.train.lr, float)
     assert cfg.model.hidden_size == MODEL_PRESETS["S"]["hidden_size"] and cfg.model.depth == 2

@@ -98,3 +98,12 @@ def test_xl_preset_has_about_1_1b_parameters():
     with torch.device("meta"):
         count = count_parameters(STDiT(g))
     assert 1.0e9 < count < 1.3e9
+
+
+def test_model_info_counts_each_preset(capsys):
+    from videodit.cli import main
+
+    assert main(["model", "info"]) == 0
+    rows = {line.split()[0]: int(line.split()[-1].replace(",", "")) for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows["tiny"] < rows["S"] < rows["B"] < rows["XL"]
+    assert 1.0e9 < rows["XL"] < 1.3e9

@@ -214,15 +214,15 @@ def cmd_ckpt_export(ns) -> int:
 def cmd_model_info(ns) -> int:
     import torch
 
-    from videodit.config import MODEL_PRESETS, load_config
     from videodit.components import model_geometry
+    from videodit.config import MODEL_PRESETS, ModelConfig, load_config
     from videodit.models.dit import STDiT, count_parameters
 
     cfg = load_config(ns.config, [])
     cfg.text.max_length = ns.caption_length
     print(f"{'preset':<7}{'depth':>6}{'hidden':>8}{'heads':>7}  {'patch':<10}{'parameters':>15}")
     for name, preset in MODEL_PRESETS.items():
-        cfg.model.preset = name
+        cfg.model = ModelConfig(preset=name).resolved()
         geometry = model_geometry(cfg, ns.latent_channels, ns.caption_channels)
         with torch.device("meta"):   # count without allocating weights
             count = count_parameters(STDiT(geometry))
@@ -358,7 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may come before or after options (train --out DIR key=value, or the reverse).
+    ns, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(ns, "args") or any(e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        ns.args += extra
     try:
         return ns.func(ns)
     except UserError as exc:

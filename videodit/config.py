@@ -32,7 +32,7 @@ def opt(default: Any, help: str, **kw: Any) -> Any:
 # Model geometry presets. "depth" counts spatial+temporal block pairs, as STDiT3 does:
 # XL is Open-Sora 1.2's STDiT3-XL/2 (28 pairs, hidden 1152, 16 heads, patch (1,2,2)).
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(depth=3, hidden_size=96, num_heads=4, mlp_ratio=4.0, patch_size=[1, 4, 4]),
+    "tiny": dict(depth=4, hidden_size=128, num_heads=4, mlp_ratio=4.0, patch_size=[1, 4, 4]),
     "S": dict(depth=12, hidden_size=384, num_heads=6, mlp_ratio=4.0, patch_size=[1, 2, 2]),
     "B": dict(depth=12, hidden_size=768, num_heads=12, mlp_ratio=4.0, patch_size=[1, 2, 2]),
     "XL": dict(depth=28, hidden_size=1152, num_heads=16, mlp_ratio=4.0, patch_size=[1, 2, 2]),
