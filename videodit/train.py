@@ -3,8 +3,8 @@
     batches -> frozen encoders -> rectified-flow loss -> backward (x grad_accum)
             -> clip, AdamW step, LR schedule, EMA -> metrics, samples, checkpoints
 
-Features plug in as small objects (EMA, MetricsLogger, checkpoint functions); the loop
-itself stays flat.
+Features plug in as small objects (EMA, MetricsLogger, CheckpointManager, Validator,
+BadFileGuard, StopSignals); the loop itself stays flat.
 """
 
 from __future__ import annotations
@@ -12,52 +12,28 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import platform
 import random
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-import yaml
 from tqdm import tqdm
 
 from videodit.checkpoint import CheckpointManager, LoadedCheckpoint, checkpoint_name, list_checkpoints
 from videodit.components import build_encoders, build_model, pick_device
-from videodit.config import Config, from_dict, to_dict, to_yaml
+from videodit.config import Config, to_yaml
 from videodit.data.dataset import BadFileGuard
-from videodit.data.loader import build_training_data
+from videodit.data.loader import build_training_data, ensure_toy_data
 from videodit.diffusion.rectified_flow import RectifiedFlow
 from videodit.ema import EMA
 from videodit.errors import UserError
 from videodit.memory.activation import apply_activation_checkpointing
 from videodit.metrics import MetricsLogger, Throughput
+from videodit.runtime import StopSignals, check_config_change, run_info, seed_everything
 from videodit.models.dit import count_parameters
 from videodit.sample import generate, write_clips
 from videodit.validation import Validator
-
-
-def ensure_toy_data(cfg: Config) -> None:
-    """Generate the toy dataset for a toy config (its CSV is a missing ``train.csv``)."""
-    csv = Path(cfg.data.csv)
-    if csv.exists() or not cfg.data.make_toy_if_missing or csv.name != "train.csv":
-        return
-    from videodit.data.toy import make_toy_dataset
-    print(f"generating the toy dataset in {csv.parent} ...", flush=True)
-    toy = cfg.toy
-    make_toy_dataset(csv.parent, clips_per_combination=toy.clips_per_combination, num_frames=toy.num_frames,
-                     fps=toy.fps, sizes=[tuple(size) for size in toy.sizes], image_fraction=toy.image_fraction,
-                     seed=cfg.train.seed)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 class Trainer:
@@ -313,83 +289,9 @@ class Trainer:
         print(f"resumed from {ckpt.path} at step {self.step}", flush=True)
 
 
-# Keys that may change between a checkpoint and its resume without changing what is trained.
-RESUMABLE_CHANGES = ("name", "resume", "train.max_steps", "train.log_every", "train.sample_every",
-                     "train.threads", "data.num_workers", "checkpoint.", "validation.", "sample.")
-
-
-def check_config_change(saved_yaml: str, cfg: Config) -> list[str]:
-    """Say what changed since the checkpoint; refuse unless checkpoint.on_config_change=continue."""
-    saved = _flatten(to_dict(from_dict(yaml.safe_load(saved_yaml))))
-    now = _flatten(to_dict(cfg))
-    changed = [f"{key}: {saved.get(key)!r} -> {now.get(key)!r}" for key in sorted(saved.keys() | now.keys())
-               if saved.get(key) != now.get(key) and not key.startswith(RESUMABLE_CHANGES)]
-    if changed and cfg.checkpoint.on_config_change == "error":
-        shown = "; ".join(changed[:4]) + (f"; and {len(changed) - 4} more" if len(changed) > 4 else "")
-        raise UserError(f"the config changed since the checkpoint ({shown}); restore it, or set "
-                        "checkpoint.on_config_change=continue to resume anyway")
-    for line in changed:
-        print(f"config changed since the checkpoint: {line}", flush=True)
-    return changed
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and key != "bucket_config":
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[prefix + key] = value
-    return flat
-
-
-class StopSignals:
-    """SIGTERM / SIGINT ask the loop to stop after the current step (then it saves)."""
-
-    def __init__(self):
-        self.requested: str | None = None
-        self._previous = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:   # not the main thread: leave signals alone
-                pass
-        return self
-
-    def _handle(self, signum, frame):
-        if self.requested:   # a second signal: stop now
-            raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 def _jsonable(value):
     return [_jsonable(v) for v in value] if isinstance(value, (tuple, list)) else value
 
 
 def _tuplify(value):
     return tuple(_tuplify(v) for v in value) if isinstance(value, list) else value
-
-
-def run_info(num_params: int) -> dict:
-    """What produced this run: code version and library versions."""
-    import videodit
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(videodit.__file__).parent,
-                                capture_output=True, text=True, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    versions = {"python": sys.version.split()[0], "torch": torch.__version__, "videodit": videodit.__version__,
-                "numpy": np.__version__}
-    for name in ("av", "safetensors", "diffusers", "transformers"):
-        try:
-            versions[name] = __import__(name).__version__
-        except ImportError:
-            pass
-    return {"git_commit": commit, "versions": versions, "platform": platform.platform(),
-            "num_params": num_params, "command": sys.argv, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

@@ -1,0 +1,98 @@
+"""What a training run needs around its loop: seeding, signals, resume checks, run info."""
+
+from __future__ import annotations
+
+import platform
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from videodit.config import Config, from_dict, to_dict
+from videodit.errors import UserError
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# Keys that may change between a checkpoint and its resume without changing what is trained.
+RESUMABLE_CHANGES = ("name", "resume", "train.max_steps", "train.log_every", "train.sample_every",
+                     "train.threads", "data.num_workers", "checkpoint.", "validation.", "sample.")
+
+
+def check_config_change(saved_yaml: str, cfg: Config) -> list[str]:
+    """Say what changed since the checkpoint; refuse unless checkpoint.on_config_change=continue."""
+    saved = _flatten(to_dict(from_dict(yaml.safe_load(saved_yaml))))
+    now = _flatten(to_dict(cfg))
+    changed = [f"{key}: {saved.get(key)!r} -> {now.get(key)!r}" for key in sorted(saved.keys() | now.keys())
+               if saved.get(key) != now.get(key) and not key.startswith(RESUMABLE_CHANGES)]
+    if changed and cfg.checkpoint.on_config_change == "error":
+        shown = "; ".join(changed[:4]) + (f"; and {len(changed) - 4} more" if len(changed) > 4 else "")
+        raise UserError(f"the config changed since the checkpoint ({shown}); restore it, or set "
+                        "checkpoint.on_config_change=continue to resume anyway")
+    for line in changed:
+        print(f"config changed since the checkpoint: {line}", flush=True)
+    return changed
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "bucket_config":
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+class StopSignals:
+    """SIGTERM / SIGINT ask the loop to stop after the current step (then it saves)."""
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:   # not the main thread: leave signals alone
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:   # a second signal: stop now
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def run_info(num_params: int) -> dict:
+    """What produced this run: code version and library versions."""
+    import videodit
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(videodit.__file__).parent,
+                                capture_output=True, text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    versions = {"python": sys.version.split()[0], "torch": torch.__version__, "videodit": videodit.__version__,
+                "numpy": np.__version__}
+    for name in ("av", "safetensors", "diffusers", "transformers"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    return {"git_commit": commit, "versions": versions, "platform": platform.platform(),
+            "num_params": num_params, "command": sys.argv, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
