@@ -107,3 +107,15 @@ def test_model_info_counts_each_preset(capsys):
     rows = {line.split()[0]: int(line.split()[-1].replace(",", "")) for line in capsys.readouterr().out.splitlines()[1:]}
     assert rows["tiny"] < rows["S"] < rows["B"] < rows["XL"]
     assert 1.0e9 < rows["XL"] < 1.3e9
+
+
+def test_absolute_frame_embedding_breaks_the_symmetry_between_identical_frames():
+    # With temporal RoPE alone, identical frames give identical outputs: attention over
+    # identical values cannot tell frames apart. The absolute frame embedding can.
+    x, tt, y, mask = inputs(1, 4, 1, 8, 8)
+    video = x.repeat(1, 1, 4, 1, 1)
+    for absolute in (False, True):
+        model = tiny_model(temporal_pos_embed=absolute)
+        torch.nn.init.normal_(model.final_proj.weight, std=0.02)
+        out = model(video, tt, y, mask)
+        assert torch.allclose(out[:, :, 0], out[:, :, 3], atol=1e-5) != absolute

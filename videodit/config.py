@@ -51,6 +51,8 @@ class ModelConfig:
                                           length=3, min=1)
     qk_norm: bool = opt(True, "RMS-normalise queries and keys in self-attention")
     pos_base_grid: int = opt(16, "patch grid side at which spatial positions span their base range")
+    temporal_pos_embed: bool = opt(False, "add an absolute sin/cos frame-index embedding (STDiT3 has only "
+                                   "temporal RoPE)")
 
     def resolved(self) -> "ModelConfig":
         """A copy with every preset-derived field filled in."""

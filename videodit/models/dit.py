@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from videodit.models.layers import (CrossAttention, Mlp, RotaryEmbedding, ScalarEmbedder,
-                                    SelfAttention, modulate, sincos_2d)
+                                    SelfAttention, modulate, sincos_2d, sinusoidal_embedding)
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class DiTGeometry:
     patch_size: tuple[int, int, int] = (1, 2, 2)
     qk_norm: bool = True
     pos_base_grid: int = 16
+    temporal_pos_embed: bool = False
 
 
 class STBlock(nn.Module):
@@ -143,6 +144,9 @@ class STDiT(nn.Module):
         _, dim, tp, hp, wp = tokens.shape
         tokens = tokens.flatten(3).transpose(1, 2).transpose(2, 3)    # [B, T', S, D]
         tokens = tokens + sincos_2d(hp, wp, dim, self.geometry.pos_base_grid, x.device).to(tokens.dtype)
+        if self.geometry.temporal_pos_embed:   # absolute frame index, on top of temporal RoPE
+            frame_pos = sinusoidal_embedding(torch.arange(tp, device=x.device), dim)
+            tokens = tokens + frame_pos[None, :, None, :].to(tokens.dtype)
 
         cond = self.t_embedder(t)
         if fps is not None:
