@@ -17,21 +17,10 @@ import time
 import numpy as np
 
 from videodit.data.buckets import (DROP_REASON_TEXT, DropReason, assign_buckets,
-                                   assign_buckets_reference, parse_bucket_config)
+                                   assign_buckets_reference, parse_bucket_config,
+                                   OPENSORA_V12_STAGE1)
 
-# Open-Sora 1.2, configs/opensora-v1-2/train/stage1.py ("webvid"), as written there.
-STAGE1 = {
-    "144p": {1: (1.0, 475), 51: (1.0, 51), 102: ((1.0, 0.33), 27), 204: ((1.0, 0.1), 13), 408: ((1.0, 0.1), 6)},
-    "256": {1: (0.4, 297), 51: (0.5, 20), 102: ((0.5, 0.33), 10), 204: ((0.5, 0.1), 5), 408: ((0.5, 0.1), 2)},
-    "240p": {1: (0.3, 297), 51: (0.4, 20), 102: ((0.4, 0.33), 10), 204: ((0.4, 0.1), 5), 408: ((0.4, 0.1), 2)},
-    "360p": {1: (0.2, 141), 51: (0.15, 8), 102: ((0.15, 0.33), 4), 204: ((0.15, 0.1), 2), 408: ((0.15, 0.1), 1)},
-    "512": {1: (0.1, 141)},
-    "480p": {1: (0.1, 89)},
-    "720p": {1: (0.05, 36)},
-    "1024": {1: (0.05, 36)},
-    "1080p": {1: (0.1, 5)},
-    "2048": {1: (0.1, 5)},
-}
+STAGE1 = OPENSORA_V12_STAGE1
 
 # (height, width) of common sources; each row picks one, maybe flips it to portrait, and
 # jitters it a little so sizes and aspect ratios spread between the table entries.

@@ -6,25 +6,14 @@ import numpy as np
 import pytest
 import yaml
 
-from videodit.data.buckets import (ASPECT_RATIOS, RESOLUTION_NAMES, RESOLUTION_PIXELS,
+from videodit.data.buckets import (OPENSORA_V12_STAGE1, ASPECT_RATIOS, RESOLUTION_NAMES, RESOLUTION_PIXELS,
                                    BucketConfig, DropReason, assign_buckets,
                                    assign_buckets_reference, build_buckets,
                                    load_opensora_bucket_config, parse_bucket_config, uniform)
 from videodit.errors import UserError
 
 # Open-Sora 1.2 configs/opensora-v1-2/train/stage1.py and stage3.py, as written there.
-STAGE1 = {
-    "144p": {1: (1.0, 475), 51: (1.0, 51), 102: ((1.0, 0.33), 27), 204: ((1.0, 0.1), 13), 408: ((1.0, 0.1), 6)},
-    "256": {1: (0.4, 297), 51: (0.5, 20), 102: ((0.5, 0.33), 10), 204: ((0.5, 0.1), 5), 408: ((0.5, 0.1), 2)},
-    "240p": {1: (0.3, 297), 51: (0.4, 20), 102: ((0.4, 0.33), 10), 204: ((0.4, 0.1), 5), 408: ((0.4, 0.1), 2)},
-    "360p": {1: (0.2, 141), 51: (0.15, 8), 102: ((0.15, 0.33), 4), 204: ((0.15, 0.1), 2), 408: ((0.15, 0.1), 1)},
-    "512": {1: (0.1, 141)},
-    "480p": {1: (0.1, 89)},
-    "720p": {1: (0.05, 36)},
-    "1024": {1: (0.05, 36)},
-    "1080p": {1: (0.1, 5)},
-    "2048": {1: (0.1, 5)},
-}
+STAGE1 = OPENSORA_V12_STAGE1
 STAGE3 = {
     "144p": {1: (1.0, 475), 51: (1.0, 51), 102: (1.0, 27), 204: (1.0, 13), 408: (1.0, 6)},
     "256": {1: (1.0, 297), 51: (0.5, 20), 102: (0.5, 10), 204: (0.5, 5), 408: ((0.5, 0.5), 2)},
