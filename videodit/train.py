@@ -74,7 +74,6 @@ class Trainer:
         self.step = 0
         self.epoch = 0
         self.offset = 0          # global batches of this epoch consumed (see data/sampler.py)
-        self.resumed_from: Path | None = None
 
         ck = cfg.checkpoint
         self.checkpoints = CheckpointManager(run_dir, every_steps=ck.every_steps, every_minutes=ck.every_minutes,
@@ -285,7 +284,6 @@ class Trainer:
         random.setstate(_tuplify(state["python_rng"]))
         kind, keys, *rest = state["numpy_rng"]
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-        self.resumed_from = ckpt.path
         print(f"resumed from {ckpt.path} at step {self.step}", flush=True)
 
 
