@@ -148,6 +148,26 @@ class TrainConfig:
 
 
 @dataclass
+class ParallelConfig:
+    dp_replicate: int = opt(1, "data-parallel replicas: DDP, or the replicate axis of HSDP", min=1)
+    dp_shard: int = opt(-1, "FSDP2 shard group size (-1 = every rank left over, 1 = no sharding)", min=-1)
+    sp: int = opt(1, "sequence-parallel group size (Open-Sora: sp_size)", min=1)
+    tp: int = opt(1, "tensor-parallel group size (Open-Sora: tp_size)", min=1)
+    pp: int = opt(1, "pipeline-parallel stages (Open-Sora: pp_size)", min=1)
+    reshard_after_forward: bool = opt(True, "FSDP: free gathered weights after forward (ZeRO-3); false keeps "
+                                      "them for backward (ZeRO-2-like, more memory, less traffic)")
+    cpu_offload: bool = opt(False, "FSDP: keep sharded weights, gradients and optimizer state in host memory")
+    timeout_minutes: float = opt(10.0, "how long a collective may wait for a stuck rank before the job ends",
+                                 min=0.1)
+
+
+# Open-Sora's parallel options and where they land (documented in docs/parallelism.md).
+PARALLEL_ALIASES = {"sp_size": "sp", "tp_size": "tp", "pp_size": "pp"}
+ZERO_STAGES = {0: dict(dp_shard=1), 1: dict(reshard_after_forward=False), 2: dict(reshard_after_forward=False),
+               3: dict(reshard_after_forward=True)}
+
+
+@dataclass
 class CheckpointConfig:
     every_steps: int = opt(500, "steps between checkpoints (0 = only at the end)", min=0)
     every_minutes: float = opt(0.0, "also save when this many minutes passed since the last save (0 = off)",
@@ -196,6 +216,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     resume: Optional[str] = opt(None, "auto (newest checkpoint in the run folder) or a checkpoint path")
 
 
@@ -260,10 +281,39 @@ def _set_dotted(raw: dict, key: str, value: Any) -> None:
 
 
 def from_dict(raw: dict) -> Config:
-    cfg = _build(Config, raw, prefix="")
+    cfg = _build(Config, _apply_parallel_aliases(raw), prefix="")
     cfg.model = cfg.model.resolved()
     _check_consistency(cfg)
     return cfg
+
+
+def _apply_parallel_aliases(raw: dict) -> dict:
+    """Map Open-Sora's ``sp_size``/``tp_size``/``pp_size``/``zero_stage`` (top level or under
+    ``parallel``) onto the ``parallel`` section; a clash with an explicit key is an error."""
+    raw = dict(raw)
+    section = raw.get("parallel", {})
+    if not isinstance(section, dict):
+        return raw   # _build reports the bad section
+    section = dict(section)
+    moved = {name: raw.pop(name) for name in (*PARALLEL_ALIASES, "zero_stage") if name in raw}
+    moved.update({name: section.pop(name) for name in (*PARALLEL_ALIASES, "zero_stage") if name in section})
+    implied: dict[str, Any] = {}
+    for name, value in moved.items():
+        if name == "zero_stage":
+            if value not in ZERO_STAGES:
+                raise UserError(f"zero_stage={value!r} is not allowed; choose one of: 0 (DDP), 1 or 2 (FSDP, "
+                                "weights kept after forward), 3 (FSDP, weights resharded)")
+            implied.update(ZERO_STAGES[value])
+        else:
+            implied[PARALLEL_ALIASES[name]] = value
+    for key, value in implied.items():
+        if key in section and section[key] != value:
+            raise UserError(f"parallel.{key}={section[key]!r} conflicts with the Open-Sora option that implies "
+                            f"{key}={value!r}; set one of them")
+        section[key] = value
+    if moved:
+        raw["parallel"] = section
+    return raw
 
 
 def _check_consistency(cfg: Config) -> None:
