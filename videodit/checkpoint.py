@@ -415,8 +415,12 @@ def _remove_dir(path: Path, root: Path) -> None:
 
 def _write_checkpoint(root: Path, step: int, *, tensors: dict[str, dict[str, torch.Tensor]],
                       torch_states: dict[str, dict], json_state: dict, config_yaml: str,
-                      metrics: dict | None, staging_hook=None) -> tuple[Path, int]:
-    """Write one checkpoint atomically; return (final directory, total bytes). Raises OSError."""
+                      metrics: dict | None, staging_hook=None, write_shards=None) -> tuple[Path, int]:
+    """Write one checkpoint atomically; return (final directory, total bytes). Raises OSError.
+
+    ``write_shards(staging)``, when given, writes more files into the staging folder first
+    (the DCP shards of a sharded run, written by every rank); the manifest lists them too.
+    """
     final = root / checkpoint_name(step)
     staging = root / f"{STAGING_PREFIX}{final.name}-{os.getpid()}"
     started = time.time()
@@ -426,6 +430,11 @@ def _write_checkpoint(root: Path, step: int, *, tensors: dict[str, dict[str, tor
         staging.mkdir()
         if staging_hook is not None:
             staging_hook(staging)
+        extra = {}
+        if write_shards is not None:
+            write_shards(staging)
+            extra = {file.relative_to(staging).as_posix(): {"bytes": file.stat().st_size, "sha256": _sha256(file)}
+                     for file in sorted(staging.rglob("*")) if file.is_file()}
         writers: dict[str, _HashingWriter] = {}
         pipe = _Pipe()
         try:
@@ -436,7 +445,7 @@ def _write_checkpoint(root: Path, step: int, *, tensors: dict[str, dict[str, tor
             writers["state.json"] = _write_text(staging / "state.json", json.dumps(json_state, indent=1), pipe)
             writers["config.yaml"] = _write_text(staging / "config.yaml", config_yaml, pipe)
             pipe.finish()   # every file is on disk before the manifest says so
-            files = {name: writer.record() for name, writer in sorted(writers.items())}
+            files = dict(sorted({**extra, **{name: writer.record() for name, writer in writers.items()}}.items()))
         finally:
             pipe.close()
         manifest = {
@@ -696,7 +705,8 @@ class CheckpointManager:
         return self._thread is not None and self._thread.is_alive()
 
     def save(self, step: int, *, tensors: dict[str, dict[str, torch.Tensor]], torch_states: dict[str, dict],
-             json_state: dict, config_yaml: str, metrics: dict | None = None, blocking: bool = True) -> Path:
+             json_state: dict, config_yaml: str, metrics: dict | None = None, blocking: bool = True,
+             write_shards=None) -> Path:
         """Save a checkpoint and apply retention; return its final path.
 
         ``blocking=False`` copies every tensor to CPU memory now (into buffers kept for the
@@ -704,14 +714,16 @@ class CheckpointManager:
         then writes (and applies retention) in a background thread; the returned path exists
         once :meth:`wait` returns.
         At most one save is in flight: a save first waits for the previous one, and raises
-        its error (UserError) if it failed.
+        its error (UserError) if it failed. ``write_shards`` (see ``_write_checkpoint``) is a
+        collective with the other ranks, so a save that has it always blocks.
         """
         self.wait()
         self._last_step, self._last_time = step, time.monotonic()
         metrics = _clean_metrics(metrics)
         final = self.root / checkpoint_name(step)
-        if blocking:
-            self._save_now(step, tensors, torch_states, json_state, config_yaml, metrics, started=time.time())
+        if blocking or write_shards is not None:
+            self._save_now(step, tensors, torch_states, json_state, config_yaml, metrics, started=time.time(),
+                           write_shards=write_shards)
             return final
         started = time.time()
         job = (step, *self._snapshot((tensors, torch_states)), json.loads(json.dumps(json_state)),
@@ -748,13 +760,13 @@ class CheckpointManager:
             _warn(str(exc) if isinstance(exc, UserError) else f"background checkpoint save failed: {exc!r}")
 
     def _save_now(self, step, tensors, torch_states, json_state, config_yaml, metrics, *, started: float,
-                  blocking: bool = True) -> Path:
+                  blocking: bool = True, write_shards=None) -> Path:
         def hook(staging: Path) -> None:
             self._writing = staging
         try:
             final, size = _write_checkpoint(self.root, step, tensors=tensors, torch_states=torch_states,
                                             json_state=json_state, config_yaml=config_yaml, metrics=metrics,
-                                            staging_hook=hook)
+                                            staging_hook=hook, write_shards=write_shards)
         except OSError as exc:
             error = _save_error(step, self.root, exc)
             self._log({"event": "save_failed", "step": step, "error": str(error)}, quiet=True)
@@ -943,6 +955,11 @@ class LoadedCheckpoint:
 
     def has(self, stem: str) -> bool:
         return any(name.startswith(stem + ".") for name in self.manifest["files"])
+
+    @property
+    def has_shards(self) -> bool:
+        """Whether a sharded run wrote DCP shards (``dcp/``) beside the whole tensors."""
+        return any(name.startswith("dcp/") for name in self.manifest["files"])
 
     def verify(self) -> None:
         """Check every file against its SHA-256 in the manifest (exports have none)."""

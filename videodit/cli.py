@@ -33,20 +33,32 @@ def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
 
 def cmd_train(ns) -> int:
     from videodit.config import load_config
+    from videodit.parallel.distributed import launched_world_size
     from videodit.train import Trainer
 
     config, overrides = _split_config_args(ns.args)
     cfg = load_config(config, overrides)
-    run_dir = Path(ns.out) if ns.out else Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if ns.out:
+        run_dir = Path(ns.out)
+    elif launched_world_size() > 1:   # clocks differ: ranks would pick different folders
+        raise UserError("under torchrun pass --out DIR, so that every rank writes the same run folder")
+    else:
+        run_dir = Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     trainer = Trainer(cfg, run_dir)
-    print(f"run folder: {run_dir}  |  model: {cfg.model.preset}, {trainer.num_params:,} parameters  |  "
-          f"data: {len(trainer.meta)} clips, device: {trainer.device}", flush=True)
-    if trainer.meta.bad_rows:
-        print(f"skipped {len(trainer.meta.bad_rows)} bad CSV row(s), first: line "
-              f"{trainer.meta.bad_rows[0][0]}: {trainer.meta.bad_rows[0][1]}", flush=True)
-    result = trainer.fit()
-    print(f"done: step {result['step']}, loss {result.get('loss', float('nan')):.4f}; samples in "
-          f"{run_dir / 'samples'}, checkpoints in {run_dir / 'checkpoints'}", flush=True)
+    try:
+        say = print if trainer.is_main else (lambda *a, **k: None)
+        say(f"run folder: {run_dir}  |  model: {cfg.model.preset}, {trainer.num_params:,} parameters  |  "
+            f"data: {len(trainer.meta)} clips, device: {trainer.device}  |  {trainer.ctx.dims.describe()}, "
+            f"global batch {cfg.train.batch_size} x {trainer.ctx.dp_size} rank(s) x {cfg.train.grad_accum}",
+            flush=True)
+        if trainer.meta.bad_rows:
+            say(f"skipped {len(trainer.meta.bad_rows)} bad CSV row(s), first: line "
+                f"{trainer.meta.bad_rows[0][0]}: {trainer.meta.bad_rows[0][1]}", flush=True)
+        result = trainer.fit()
+        say(f"done: step {result['step']}, loss {result.get('loss', float('nan')):.4f}; samples in "
+            f"{run_dir / 'samples'}, checkpoints in {run_dir / 'checkpoints'}", flush=True)
+    finally:
+        trainer.ctx.close()
     return 0
 
 
@@ -357,6 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _rank_tag() -> str:
+    """`` (rank N)`` under torchrun, so an error names the process that hit it."""
+    import os
+    return f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come before or after options (train --out DIR key=value, or the reverse).
@@ -368,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return ns.func(ns)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error{_rank_tag()}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

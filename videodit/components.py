@@ -11,12 +11,19 @@ from videodit.models.text import build_text_encoder
 from videodit.models.vae import build_vae
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    """``auto``, ``cpu`` or ``cuda``; with CUDA, the GPU of this process's ``local_rank``."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name != "cuda":
+        return torch.device(name)
+    if not torch.cuda.is_available():
         raise UserError("train.device=cuda but no GPU is visible; use train.device=cpu or auto")
-    return torch.device(name)
+    if local_rank >= torch.cuda.device_count():
+        raise UserError(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible; start "
+                        "fewer processes per node (torchrun --nproc-per-node)")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def build_encoders(cfg: Config, device: torch.device):

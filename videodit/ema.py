@@ -1,4 +1,5 @@
-"""Exponential moving average of the model weights, kept in fp32 beside the model."""
+"""Exponential moving average of the model weights, kept in fp32 beside the model (sharded
+like the model under FSDP, since the shadows are clones of its parameters)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,5 @@ class EMA:
         return dict(self.shadow)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        missing = self.shadow.keys() - state.keys()
-        if missing:
-            raise KeyError(f"EMA state lacks {sorted(missing)[:3]}")
-        for name, tensor in self.shadow.items():
-            tensor.copy_(state[name])
+        from videodit.parallel.state import copy_into   # handles sharded (DTensor) shadows
+        copy_into(self.shadow, state)

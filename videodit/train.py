@@ -5,13 +5,18 @@
 
 Features plug in as small objects (EMA, MetricsLogger, CheckpointManager, Validator,
 BadFileGuard, StopSignals); the loop itself stays flat.
+
+The same loop runs on one process and under torchrun: ``DistContext`` says which rank
+this is and ``parallel.parallelize`` wraps the model. Every rank runs the loop; rank 0
+alone writes the run folder (metrics, samples, checkpoint files other than DCP shards).
+The noise, timesteps and caption dropout of a batch are seeded by its global batch index,
+so a run draws the same noise whatever its data-parallel size.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import random
 from pathlib import Path
 
@@ -21,17 +26,20 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from videodit.checkpoint import CheckpointManager, LoadedCheckpoint, checkpoint_name, list_checkpoints
-from videodit.components import build_encoders, build_model, pick_device
+from videodit.components import build_encoders, build_model
 from videodit.config import Config, to_yaml
 from videodit.data.dataset import BadFileGuard
 from videodit.data.loader import build_training_data, ensure_toy_data
 from videodit.diffusion.rectified_flow import RectifiedFlow
 from videodit.ema import EMA
 from videodit.errors import UserError
-from videodit.memory.activation import apply_activation_checkpointing
 from videodit.metrics import MetricsLogger, Throughput
-from videodit.runtime import StopSignals, check_config_change, run_info, seed_everything
 from videodit.models.dit import count_parameters
+from videodit.parallel.distributed import init_distributed
+from videodit.parallel.parallelize import clip_gradients, gradient_sync, parallelize
+from videodit.parallel.state import (full_tensors, load_model_state, load_optimizer_state,
+                                     load_shards, optimizer_state, save_shards)
+from videodit.runtime import StopSignals, check_config_change, run_info, seed_everything
 from videodit.sample import generate, write_clips
 from videodit.validation import Validator
 
@@ -46,30 +54,35 @@ class Trainer:
             torch.set_num_threads(tc.threads)
         if tc.deterministic:
             torch.use_deterministic_algorithms(True)
-        seed_everything(tc.seed)
-        self.device = pick_device(tc.device)
+        # Parallel sizes are checked against the world and the model before anything is built.
+        self.ctx = init_distributed(cfg)
+        self.is_main = self.ctx.is_main
+        seed_everything(tc.seed)   # the same on every rank: identical initial weights
+        self.device = self.ctx.device
         use_bf16 = tc.precision == "bf16" or (tc.precision == "auto" and self.device.type == "cuda")
         self.autocast_dtype = torch.bfloat16 if use_bf16 else None
 
         # Data first: a bad CSV should fail before any model is built.
         ensure_toy_data(cfg)
-        self.data = build_training_data(cfg.data, batch_size=tc.batch_size, seed=tc.seed)
+        self.data = build_training_data(cfg.data, batch_size=tc.batch_size, seed=tc.seed,
+                                        dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp_size)
         self.meta, self.sampler = self.data.meta, self.data.sampler
         self.bad_files = BadFileGuard(cfg.data.max_bad_fraction)
 
         self.vae, self.text = build_encoders(cfg, self.device)
         self.model = build_model(cfg, self.vae, self.text).to(self.device)
         self.num_params = count_parameters(self.model)
-        if tc.activation_checkpointing:
-            apply_activation_checkpointing(self.model)
+        # The module the step calls (DDP wraps; FSDP2 shards self.model in place).
+        self.train_module = parallelize(self.model, self.ctx, cfg.parallel,
+                                        activation_checkpointing=tc.activation_checkpointing,
+                                        param_dtype=self.autocast_dtype)
+        self.sharded = self.ctx.dims.data_parallel in ("fsdp", "hsdp")
         self.flow = RectifiedFlow(cfg.diffusion)
         self.ema = EMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=tc.lr, betas=tuple(tc.betas),
                                            weight_decay=tc.weight_decay)
         warmup = max(tc.warmup_steps, 1)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
-        # Noise, timesteps and caption dropout draw from their own generator, saved in checkpoints.
-        self.noise_gen = torch.Generator().manual_seed(tc.seed + 1)
 
         self.step = 0
         self.epoch = 0
@@ -89,40 +102,44 @@ class Trainer:
     def fit(self) -> dict:
         tc = self.cfg.train
         self._prepare_run_dir()
-        for leftover in self.checkpoints.cleanup_staging():
-            print(f"removed {leftover.name}, the leftover of an interrupted save", flush=True)
+        if self.is_main:
+            for leftover in self.checkpoints.cleanup_staging():
+                print(f"removed {leftover.name}, the leftover of an interrupted save", flush=True)
         self._maybe_resume()
-        metrics = MetricsLogger(self.run_dir)
+        metrics = MetricsLogger(self.run_dir, enabled=self.is_main)
         throughput = Throughput()
         batches = self._batches()
         bar = tqdm(total=tc.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                   disable=None)
+                   disable=None if self.is_main else True)
         last = {}
+        stopping = False
         try:
             with StopSignals() as stop:
-                while self.step < tc.max_steps and not stop.requested:
+                while self.step < tc.max_steps and not stopping:
                     micro_batches = [next(batches) for _ in range(tc.grad_accum)]
                     loss, grad_norm = self.train_step(micro_batches)
                     self.step += 1
-                    throughput.add(sum(len(b["text"]) for b in micro_batches))
+                    throughput.add(sum(len(b["text"]) for b in micro_batches) * self.ctx.dp_size)
                     bar.update(1)
                     if self.step % tc.log_every == 0 or self.step == tc.max_steps:
                         last = {"epoch": self.epoch, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
                                 "grad_norm": grad_norm, "samples_per_s": round(throughput.read(), 2)}
                         metrics.log(self.step, last)
                         bar.set_postfix(loss=f"{loss:.4f}", sps=f"{last['samples_per_s']:.1f}")
-                        if bar.disable:
+                        if bar.disable and self.is_main:
                             print(f"step {self.step}/{tc.max_steps} loss {loss:.4f} "
                                   f"samples/s {last['samples_per_s']:.1f}", flush=True)
-                    saving = self.checkpoints.should_save(self.step)
+                    # Clocks and signals differ between ranks: act when any rank asks.
+                    saving = self.ctx.any(self.checkpoints.should_save(self.step))
+                    stopping = self.ctx.any(stop.requested is not None)
                     if self.validator and (saving or self._validation_due()):
                         self.validate(metrics)
                     if tc.sample_every and self.step % tc.sample_every == 0:
                         self.write_samples()
                     if saving:
                         self.save()
-                if stop.requested:
-                    print(f"stopping on {stop.requested} after step {self.step}; saving, then resume with "
+                if stopping and self.is_main:
+                    print(f"stopping on {stop.requested or 'a signal to another rank'} after step {self.step}; saving, then resume with "
                           "resume=auto", flush=True)
             if not self._saved_at_step():
                 if self.validator:
@@ -144,46 +161,52 @@ class Trainer:
         return bool(every) and self.step % every == 0
 
     def _saved_at_step(self) -> bool:
-        self.checkpoints.wait()
-        found = list_checkpoints(self.ckpt_root)
-        return bool(found) and found[-1].name == checkpoint_name(self.step)
+        if self.is_main:
+            self.checkpoints.wait()
+            found = list_checkpoints(self.ckpt_root)
+            saved = bool(found) and found[-1].name == checkpoint_name(self.step)
+        return self.ctx.broadcast(saved if self.is_main else None)
 
     def validate(self, metrics: MetricsLogger) -> dict:
-        model = self.ema_model() if self.ema is not None else self.model
-        self.last_validation = self.validator.evaluate(model, self.vae, self.text, self.flow, self._autocast)
-        metrics.log(self.step, self.last_validation)
+        model = self.eval_model()
+        if model is not None:
+            self.last_validation = self.validator.evaluate(model, self.vae, self.text, self.flow, self._autocast)
+            metrics.log(self.step, self.last_validation)
         return self.last_validation
 
     def train_step(self, micro_batches: list[dict]) -> tuple[float, float]:
-        self.model.train()
+        """One optimizer step over ``micro_batches``; returns (loss, grad norm), both global."""
+        self.train_module.train()
         total = 0.0
-        for batch in micro_batches:
-            loss = self.loss(batch) / len(micro_batches)
-            loss.backward()
+        for i, batch in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with gradient_sync(self.train_module, enabled=last):
+                loss = self.loss(batch) / len(micro_batches)
+                loss.backward()
             total += loss.item()
-        clip = self.cfg.train.grad_clip or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        grad_norm = clip_gradients(self.model.parameters(), self.cfg.train.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
             self.ema.update(self.model)
-        return total, float(grad_norm)
+        return self.ctx.mean(total), grad_norm
 
     def loss(self, batch: dict) -> torch.Tensor:
-        """The rectified-flow loss of one micro-batch."""
+        """The rectified-flow loss of one micro-batch (from ``_batches``, which seeds its noise)."""
         video = batch["video"].to(self.device, non_blocking=True)
         with torch.no_grad():
             x0 = self.vae.encode(video)
             y, y_mask = self.text.encode(batch["text"])
         n = x0.shape[0]
+        generator = torch.Generator().manual_seed(batch["noise_seed"])
         ratio = self.flow.shift_ratio(video.shape[-2], video.shape[-1], x0.shape[2])
-        t = self.flow.sample_timesteps(n, ratio, self.noise_gen, self.device)
-        noise = torch.randn(x0.shape, generator=self.noise_gen).to(self.device)
-        drop = (torch.rand(n, generator=self.noise_gen) < self.cfg.diffusion.caption_dropout).to(self.device)
+        t = self.flow.sample_timesteps(n, ratio, generator, self.device)
+        noise = torch.randn(x0.shape, generator=generator).to(self.device)
+        drop = (torch.rand(n, generator=generator) < self.cfg.diffusion.caption_dropout).to(self.device)
         x_t = self.flow.interpolate(x0, noise, t)
         with self._autocast():
-            out = self.model(x_t, t, y, y_mask, batch["fps"].to(self.device), drop)
+            out = self.train_module(x_t, t, y, y_mask, batch["fps"].to(self.device), drop)
         v = self.flow.model_velocity(out.float(), x_t, t)
         return F.mse_loss(v, self.flow.velocity_target(x0, noise).float())
 
@@ -197,6 +220,8 @@ class Trainer:
         while True:
             self.sampler.set_position(self.epoch, self.offset)
             for batch in self.data.loader:
+                global_index = self.offset + self.sampler.dp_rank
+                batch["noise_seed"] = noise_seed(self.cfg.train.seed, self.epoch, global_index)
                 self.offset += self.sampler.dp_size
                 self.bad_files.update(batch)
                 yield batch
@@ -209,13 +234,17 @@ class Trainer:
         if list_checkpoints(self.ckpt_root) and self.cfg.resume is None:
             raise UserError(f"{self.run_dir} already holds checkpoints; pass resume=auto to continue "
                             "that run or --out NEW_DIR to start another")
+        if not self.is_main:
+            return
         (self.run_dir / "samples").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
         (self.run_dir / "run_info.json").write_text(json.dumps(run_info(self.num_params), indent=1))
 
     def write_samples(self) -> list[Path]:
         cfg = self.cfg
-        model = self.ema_model() if self.ema is not None else self.model
+        model = self.eval_model()
+        if model is None:
+            return []
         clips = generate(model, self.vae, self.text, self.flow, cfg.sample.prompts,
                          num_frames=cfg.sample.num_frames or cfg.data.num_frames,
                          height=cfg.sample.height or cfg.data.height, width=cfg.sample.width or cfg.data.width,
@@ -224,19 +253,37 @@ class Trainer:
         return write_clips(self.run_dir / "samples" / f"step-{self.step:07d}", cfg.sample.prompts, clips,
                            cfg.sample.fps)
 
-    def ema_model(self):
-        """A copy of the model holding the EMA weights (for sampling)."""
+    def eval_model(self):
+        """The model to validate and sample with, on rank 0 (None on other ranks): a plain copy
+        with the EMA weights if there are any, else the training weights gathered whole.
+        Gathering is a collective, so every rank calls this."""
+        if self.ema is None and not self.ctx.distributed:
+            return self.model
+        weights = full_tensors(self.ema.state_dict() if self.ema is not None else self.model.state_dict())
+        if not self.is_main:
+            return None
         model = build_model(self.cfg, self.vae, self.text).to(self.device)
-        model.load_state_dict(self.ema.state_dict())
+        model.load_state_dict(weights)
         return model
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save(self) -> Path:
-        tensors = {"model": self.model.state_dict()}
+    def save(self) -> Path | None:
+        """Save on every rank (gathering and DCP shards are collectives); rank 0 writes the files."""
+        tensors = {"model": full_tensors(self.model.state_dict())}
         if self.ema is not None:
-            tensors["ema"] = self.ema.state_dict()
-        tensors["rng"] = {"torch_cpu": torch.get_rng_state(), "noise": self.noise_gen.get_state()}
+            tensors["ema"] = full_tensors(self.ema.state_dict())
+        ema_shards = self.ema.state_dict() if self.ema is not None else None
+
+        def write_shards(staging: Path | None) -> None:
+            save_shards(self.ctx.broadcast(staging), self.model, self.optimizer, ema_shards)
+
+        if not self.is_main:
+            if self.sharded:
+                write_shards(None)
+            self.ctx.barrier()
+            return None
+        tensors["rng"] = {"torch_cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             tensors["rng"]["torch_cuda"] = torch.cuda.get_rng_state()
         np_state = np.random.get_state()
@@ -247,44 +294,61 @@ class Trainer:
             "python_rng": _jsonable(random.getstate()),
             "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
         }
-        return self.checkpoints.save(self.step, tensors=tensors,
-                                     torch_states={"optimizer": self.optimizer.state_dict()},
+        # Sharded runs keep the optimizer in the DCP shards only: gathering it would not fit.
+        torch_states = {} if self.sharded else {"optimizer": optimizer_state(self.model, self.optimizer)}
+        path = self.checkpoints.save(self.step, tensors=tensors, torch_states=torch_states,
                                      json_state=state, config_yaml=to_yaml(self.cfg),
                                      metrics=self.last_validation or None,
-                                     blocking=not self.cfg.checkpoint.async_save)
+                                     blocking=not self.cfg.checkpoint.async_save,
+                                     write_shards=write_shards if self.sharded else None)
+        self.ctx.barrier()
+        return path
 
     def _maybe_resume(self) -> None:
         source = self.cfg.resume
         if source is None:
             return
         if source == "auto":
-            source = self.checkpoints.latest()
+            # Rank 0 verifies checksums and picks; every rank loads the same checkpoint.
+            source = self.ctx.broadcast(self.checkpoints.latest() if self.is_main else None)
             if source is None:
-                print(f"resume=auto: no checkpoint in {self.ckpt_root}, starting fresh", flush=True)
+                if self.is_main:
+                    print(f"resume=auto: no checkpoint in {self.ckpt_root}, starting fresh", flush=True)
                 return
         ckpt = LoadedCheckpoint(source)
         check_config_change(ckpt.config_yaml(), self.cfg)
         self.load(ckpt)
-        self.checkpoints.record_resume(ckpt.path)
+        if self.is_main:
+            self.checkpoints.record_resume(ckpt.path)
 
     def load(self, ckpt: LoadedCheckpoint) -> None:
-        self.model.load_state_dict(ckpt.tensors("model"))
-        if self.ema is not None and ckpt.has("ema"):
-            self.ema.load_state_dict(ckpt.tensors("ema"))
-        self.optimizer.load_state_dict(ckpt.torch_state("optimizer"))
+        """Load a checkpoint written by any layout (DCP shards or whole tensors) into this one."""
+        ema = self.ema.state_dict() if self.ema is not None and ckpt.has("ema") else None
+        if ckpt.has_shards:
+            load_shards(ckpt.path, self.model, self.optimizer, ema)
+        else:
+            load_model_state(self.model, ckpt.tensors("model"))
+            if ema is not None:
+                self.ema.load_state_dict(ckpt.tensors("ema"))
+            load_optimizer_state(self.model, self.optimizer, ckpt.torch_state("optimizer"))
         state = ckpt.json_state()
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
         self.epoch, self.offset = self.sampler.load_state_dict(state["data"], self.cfg.data.on_change)
         rng = ckpt.tensors("rng")
         torch.set_rng_state(rng["torch_cpu"])
-        self.noise_gen.set_state(rng["noise"])
         if "torch_cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["torch_cuda"])
         random.setstate(_tuplify(state["python_rng"]))
         kind, keys, *rest = state["numpy_rng"]
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-        print(f"resumed from {ckpt.path} at step {self.step}", flush=True)
+        if self.is_main:
+            print(f"resumed from {ckpt.path} at step {self.step}", flush=True)
+
+
+def noise_seed(seed: int, epoch: int, global_batch: int) -> int:
+    """The seed of one global batch's noise, timesteps and caption dropout."""
+    return int(np.random.SeedSequence((seed, epoch, global_batch)).generate_state(1)[0])
 
 
 def _jsonable(value):

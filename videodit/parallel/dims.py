@@ -110,16 +110,25 @@ class ParallelDims:
 
     # ------------------------------------------------------------------ the mesh
 
-    def build_mesh(self, device_type: str):
-        """The DeviceMesh over all ranks plus the flattened ``dp``, ``dp_shard_sp`` and ``dp_sp`` views."""
-        from torch.distributed.device_mesh import init_device_mesh
+    def build_meshes(self, device_type: str) -> dict:
+        """The DeviceMesh over all ranks (``world``), its ``sp`` axis, the flattened ``dp``,
+        ``dp_shard_sp`` and ``dp_sp`` views, and for HSDP the 2D ``hsdp`` mesh
+        (dp_replicate x dp_shard_sp)."""
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
         shape = tuple(getattr(self, name) for name in MESH_DIMS)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
-        mesh["dp_replicate", "dp_shard", "sp"]._flatten("dp_sp")
-        return mesh
+        world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        meshes = {"world": world, "sp": world["sp"],
+                  "dp": world["dp_replicate", "dp_shard"]._flatten("dp"),
+                  "dp_shard_sp": world["dp_shard", "sp"]._flatten("dp_shard_sp"),
+                  "dp_sp": world["dp_replicate", "dp_shard", "sp"]._flatten("dp_sp")}
+        if self.data_parallel == "hsdp":
+            sizes, names = (self.dp_replicate, self.dp_shard * self.sp), ("dp_replicate", "dp_shard_sp")
+            if hasattr(DeviceMesh, "_unflatten"):   # newer torch: keep flattened meshes out of slicing
+                meshes["hsdp"] = meshes["dp_sp"]._unflatten(0, sizes, names)
+            else:
+                meshes["hsdp"] = world[names]
+        return meshes
 
 
 def _product(sizes: dict[str, int]) -> str:

@@ -1,0 +1,48 @@
+"""Run under torchrun by tests/test_distributed.py: train a few steps per layout, save results.
+
+Usage: torchrun --nproc-per-node N tests/distributed/worker.py SPEC.json
+SPEC: {"out": dir, "runs": [{"name": ..., "overrides": [...], "steps": k}]}. For every run,
+rank 0 writes OUT/NAME.pt with the whole final weights, the losses and, per rank, the
+sample keys of every batch it trained on.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from videodit.config import load_config
+from videodit.parallel.state import full_tensors
+from videodit.train import Trainer
+
+
+def train(name: str, overrides: list[str], steps: int, out: Path) -> None:
+    cfg = load_config("tiny", overrides)
+    trainer = Trainer(cfg, out / name)
+    batches = trainer._batches()
+    losses, keys = [], []
+    for _ in range(steps):
+        micro = [next(batches) for _ in range(cfg.train.grad_accum)]
+        keys.append([batch["noise_seed"] for batch in micro] + [str(batch["video"].shape) for batch in micro])
+        losses.append(trainer.train_step(micro)[0])
+    weights = full_tensors(trainer.model.state_dict())
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, keys)
+    if dist.get_rank() == 0:
+        torch.save({"weights": {k: v.cpu() for k, v in weights.items()}, "losses": losses, "keys": gathered},
+                   out / f"{name}.pt")
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    for run in spec["runs"]:
+        train(run["name"], run["overrides"], run["steps"], Path(spec["out"]))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

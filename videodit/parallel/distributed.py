@@ -1,0 +1,112 @@
+"""The process group of one job: who am I, which device, and the few collectives the loop needs.
+
+``torchrun`` sets ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``; without them the job is one
+process and every collective below is a no-op, so the trainer has one code path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from videodit.components import pick_device
+from videodit.config import Config
+from videodit.parallel.dims import ParallelDims
+
+
+@dataclass
+class DistContext:
+    dims: ParallelDims
+    rank: int
+    local_rank: int
+    device: torch.device
+    meshes: dict | None = None    # name -> DeviceMesh (see ParallelDims.build_meshes); None for one process
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.meshes is not None
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the ranks that receive different batches."""
+        return self.meshes["dp"].get_local_rank() if self.distributed else 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp_size
+
+    def group(self, name: str):
+        return self.meshes[name].get_group()
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def broadcast(self, value):
+        """Rank 0's ``value`` on every rank (any picklable object)."""
+        if not self.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def mean(self, value: float) -> float:
+        """The mean of ``value`` over all ranks (for logging)."""
+        if not self.distributed:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64, device=self._collective_device)
+        dist.all_reduce(tensor)
+        return tensor.item() / self.world_size
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is true on one (a stop signal, a save decision)."""
+        if not self.distributed:
+            return flag
+        tensor = torch.tensor([int(flag)], device=self._collective_device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return bool(tensor.item())
+
+    @property
+    def _collective_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launched_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(cfg: Config) -> DistContext:
+    """Check the parallel sizes against the world and the model, then join the process group.
+
+    Everything that can be wrong with the sizes is reported here, before any model exists.
+    """
+    world = launched_world_size()
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    m = cfg.model
+    dims.check_model(num_heads=m.num_heads, hidden_size=m.hidden_size, depth=m.depth)
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(cfg.train.device, local_rank)
+    if world == 1:
+        return DistContext(dims, rank, local_rank, device)
+    if not dist.is_initialized():   # a caller (a test harness) may have joined already
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(minutes=cfg.parallel.timeout_minutes),
+                                device_id=device if device.type == "cuda" else None)
+    return DistContext(dims, rank, local_rank, device, dims.build_meshes(device.type))
+
