@@ -56,15 +56,16 @@ class ParallelDims:
         if dp_shard == -1:
             if world_size % other:
                 raise UserError(
-                    f"{_product(fixed)} = {other} does not divide the world size {world_size}; choose sizes "
-                    f"whose product divides {world_size} (divisors: {_listing(divisors(world_size))})")
+                    f"parallel sizes {_product(fixed)} multiply to {other}, which does not divide the world size "
+                    f"{world_size}; choose sizes whose product divides {world_size} (divisors: "
+                    f"{_listing(divisors(world_size))})")
             dp_shard = world_size // other
         dims = cls(dp_shard=dp_shard, world_size=world_size, **fixed)
         total = other * dp_shard
         if total != world_size:
             raise UserError(
-                f"{_product({**fixed, 'dp_shard': dp_shard})} = {total} but the job has {world_size} "
-                f"process(es); make the product equal {world_size} (e.g. parallel.dp_shard=-1 fills the rest)")
+                f"parallel sizes {_product({**fixed, 'dp_shard': dp_shard})} multiply to {total} but the job has "
+                f"{world_size} process(es); make the product {world_size} (parallel.dp_shard=-1 fills the rest)")
         return dims
 
     # ------------------------------------------------------------------ checks against the model
@@ -132,5 +133,6 @@ class ParallelDims:
 
 
 def _product(sizes: dict[str, int]) -> str:
-    order = [name for name in MESH_DIMS if name in sizes]
-    return " x ".join(f"{name}={sizes[name]}" for name in order)
+    """``dp_replicate=2 x sp=3``: the sizes above 1 in mesh order."""
+    shown = [f"{name}={sizes[name]}" for name in MESH_DIMS if sizes.get(name, 1) > 1]
+    return " x ".join(shown) or "all 1"

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -78,7 +79,7 @@ def save_shards(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer
 def load_shards(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ema: dict | None) -> None:
     """Read ``folder/dcp`` into this run's layout, whatever layout wrote it."""
     state = sharded_state(model, optimizer, ema)
-    dcp.load(state, checkpoint_id=str(Path(folder) / SHARDS_DIR))
+    dcp.load(state, checkpoint_id=str(Path(folder) / SHARDS_DIR), no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     # The EMA tensors were loaded in place.
