@@ -139,8 +139,9 @@ class Trainer:
                     if saving:
                         self.save()
                 if stopping and self.is_main:
-                    print(f"stopping on {stop.requested or 'a signal to another rank'} after step {self.step}; saving, then resume with "
-                          "resume=auto", flush=True)
+                    reason = stop.requested or "a signal to another rank"
+                    print(f"stopping on {reason} after step {self.step}; saving, then resume with resume=auto",
+                          flush=True)
             if not self._saved_at_step():
                 if self.validator:
                     self.validate(metrics)

@@ -10,6 +10,7 @@ resumes on 2 or on 1. Loading works the same from any layout into any layout.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -79,7 +80,9 @@ def save_shards(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer
 def load_shards(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ema: dict | None) -> None:
     """Read ``folder/dcp`` into this run's layout, whatever layout wrote it."""
     state = sharded_state(model, optimizer, ema)
-    dcp.load(state, checkpoint_id=str(Path(folder) / SHARDS_DIR), no_dist=not dist.is_initialized())
+    with warnings.catch_warnings():   # one process reading shards is intended, not a mistake
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(Path(folder) / SHARDS_DIR), no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     # The EMA tensors were loaded in place.
