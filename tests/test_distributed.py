@@ -1,4 +1,5 @@
-"""Multi-process training on CPU with gloo (torchrun, 2 and 4 processes, tiny model, fp32).
+"""Multi-process training on CPU with gloo (torchrun, 2 and 4 processes, tiny model, fp32):
+data, sequence, tensor and pipeline parallelism and their hybrids.
 
 Each layout trains a few steps and must match one process trained on the same global
 batch (grad_accum = the data-parallel size): the noise of a batch is seeded by its global
@@ -105,6 +106,82 @@ def test_four_processes_hsdp_and_sp_times_dp(toy_dir, tmp_path):
     assert_matches(got["sp_fsdp"], accum2)
     seeds = seeds_by_rank(got["sp_dp"])   # mesh order: ranks 0,1 form one SP group, 2,3 the other
     assert seeds[0] == seeds[1] and seeds[2] == seeds[3] and seeds[0] != seeds[2]
+
+
+BUCKETS = "{'24px': {1: [1.0, 2], 4: [1.0, 2]}, '16px': {1: [1.0, 2], 4: [1.0, 2]}}"
+
+
+@pytest.fixture(scope="module")
+def mixed_toy(tmp_path_factory):
+    """Clips of two sizes plus still images: batches change shape from step to step."""
+    from videodit.data.toy import make_toy_dataset
+
+    out = tmp_path_factory.mktemp("mixed")
+    make_toy_dataset(out, clips_per_combination=1, num_frames=8, sizes=[(16, 16), (24, 24)],
+                     image_fraction=0.3, seed=1)
+    return out
+
+
+def bucketed(toy_dir, **extra):
+    """Two blocks pairs (four stages for an interleaved schedule), bucketed batches of 2."""
+    return base(toy_dir, **{"model.depth": 2, "data.bucket_config": BUCKETS, **extra})
+
+
+def shapes_seen(got: dict) -> set[str]:
+    return {shape for step in got["keys"][0] for shape in step[1:]}
+
+
+def test_tensor_and_pipeline_parallel_match_one_process(mixed_toy, tmp_path):
+    runs = bucketed(mixed_toy)
+    got = run_layouts(mixed_toy, tmp_path, 2, {
+        "tp": runs + ["parallel.tp=2"],
+        "pp_gpipe": runs + ["parallel.pp=2", "parallel.pp_schedule=gpipe"],
+        "pp_1f1b": runs + ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
+        "pp_interleaved": runs + ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+                                  "parallel.pp_microbatches=2"],
+    })
+    reference = single_process(runs, tmp_path / "ref")
+    for name in got:
+        assert_matches(got[name], reference)
+    assert len(shapes_seen(got["tp"])) >= 2, shapes_seen(got["tp"])   # the bucket shape changed
+
+
+def test_four_process_hybrids_match_one_process(mixed_toy, tmp_path):
+    runs = bucketed(mixed_toy)
+    got = run_layouts(mixed_toy, tmp_path, 4, {
+        "tp_dp": runs + ["parallel.tp=2", "parallel.dp_shard=2"],
+        "pp_dp": runs + ["parallel.pp=2", "parallel.dp_shard=2"],
+        "sp_tp": runs + ["parallel.sp=2", "parallel.tp=2"],
+    })
+    accum2 = single_process(runs + ["train.grad_accum=2"], tmp_path / "ref2")
+    assert_matches(got["tp_dp"], accum2)
+    assert_matches(got["pp_dp"], accum2)
+    assert_matches(got["sp_tp"], single_process(runs, tmp_path / "ref1"))
+
+
+def test_checkpoint_saved_under_one_hybrid_resumes_under_another(mixed_toy, tmp_path):
+    """TP=2 x DP=2 saves at step 2; PP=2 x DP=2 and one process (grad_accum 2) resume it to
+    step 4 and end where an uninterrupted single-process run ends."""
+    runs = bucketed(mixed_toy, **{"train.ema_decay": 0.9, "checkpoint.on_config_change": "continue"})
+    first = tmp_path / "tp_dp"
+    result = torchrun(4, "-m", "videodit", "train", "--out", str(first), *runs, "train.max_steps=2",
+                      "checkpoint.every_steps=2", "parallel.tp=2", "parallel.dp_shard=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    import shutil
+    pp_dp, one = tmp_path / "pp_dp", tmp_path / "one"
+    shutil.copytree(first, pp_dp)
+    shutil.copytree(first, one)
+    result = torchrun(4, "-m", "videodit", "train", "--out", str(pp_dp), *runs, "train.max_steps=4",
+                      "parallel.pp=2", "parallel.dp_shard=2", "resume=auto")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert main(["train", "--out", str(one), *runs, "train.max_steps=4", "train.grad_accum=2", "resume=auto"]) == 0
+    assert main(["train", "--out", str(tmp_path / "ref"), *runs, "train.max_steps=4", "train.grad_accum=2"]) == 0
+    for stem in ("model", "ema"):
+        want = load_file(tmp_path / "ref" / "checkpoints" / "step-0000004" / f"{stem}.safetensors")
+        for run in (pp_dp, one):
+            got = load_file(run / "checkpoints" / "step-0000004" / f"{stem}.safetensors")
+            assert got.keys() == want.keys()
+            assert max((got[k] - want[k]).abs().max().item() for k in want) < TOLERANCE
 
 
 def test_sharded_checkpoint_resumes_at_other_world_sizes(toy_dir, tmp_path):

@@ -36,10 +36,11 @@ def test_temporal_patch_pads_and_crops_back():
     assert model(x, tt, y, mask).shape == x.shape
 
 
-def test_gradients_reach_every_parameter():
-    model = tiny_model()
+@pytest.mark.parametrize("pooled", [False, True])
+def test_gradients_reach_every_parameter(pooled):
+    model = tiny_model(pooled_caption=pooled)
     # The zero-initialised output layers block gradients to everything else at step 0.
-    torch.nn.init.normal_(model.final_proj.weight, std=0.02)
+    torch.nn.init.normal_(model.final_layer.proj.weight, std=0.02)
     for block in model.blocks:
         torch.nn.init.normal_(block.cross_attn.proj.weight, std=0.02)
     x, tt, y, mask = inputs(2, 4, 3, 8, 8)
@@ -50,7 +51,7 @@ def test_gradients_reach_every_parameter():
 
 def test_caption_and_time_change_the_output():
     model = tiny_model()
-    torch.nn.init.normal_(model.final_proj.weight, std=0.02)
+    torch.nn.init.normal_(model.final_layer.proj.weight, std=0.02)
     for block in model.blocks:
         torch.nn.init.normal_(block.cross_attn.proj.weight, std=0.02)
     x, tt, y, mask = inputs(2, 4, 2, 8, 8)
@@ -63,7 +64,7 @@ def test_caption_and_time_change_the_output():
 
 def test_temporal_attention_mixes_frames_and_spatial_does_not_leak_across_batch():
     model = tiny_model()
-    torch.nn.init.normal_(model.final_proj.weight, std=0.02)
+    torch.nn.init.normal_(model.final_layer.proj.weight, std=0.02)
     x, tt, y, mask = inputs(2, 4, 4, 8, 8)
     base = model(x, tt, y, mask)
     x2 = x.clone()
@@ -116,6 +117,36 @@ def test_absolute_frame_embedding_breaks_the_symmetry_between_identical_frames()
     video = x.repeat(1, 1, 4, 1, 1)
     for absolute in (False, True):
         model = tiny_model(temporal_pos_embed=absolute)
-        torch.nn.init.normal_(model.final_proj.weight, std=0.02)
+        torch.nn.init.normal_(model.final_layer.proj.weight, std=0.02)
         out = model(video, tt, y, mask)
         assert torch.allclose(out[:, :, 0], out[:, :, 3], atol=1e-5) != absolute
+
+
+def test_pooled_caption_drives_adaln_and_the_switch_keeps_the_old_model():
+    # With every cross-attention output at zero (its init), the caption can only reach the
+    # output through the pooled caption added to the timestep embedding.
+    x, tt, y, mask = inputs(2, 4, 2, 8, 8)
+    other = y.clone()
+    other[:, 1] = torch.randn_like(other[:, 1])    # change one valid token of each caption
+    padded = y.clone()
+    padded[0, 3:] = torch.randn_like(padded[0, 3:])  # change only sample 0's padding
+    for pooled in (False, True):
+        model = tiny_model(pooled_caption=pooled)
+        torch.nn.init.normal_(model.final_layer.proj.weight, std=0.02)
+        assert (model.caption_pool is not None) == pooled
+        assert any("caption_pool" in n for n, _ in model.named_parameters()) == pooled
+        base = model(x, tt, y, mask)
+        assert torch.allclose(base, model(x, tt, other, mask)) != pooled
+        assert torch.allclose(base, model(x, tt, padded, mask), atol=1e-6)     # padding is not pooled
+        # A dropped caption pools the null caption, whatever the caption was.
+        drop = torch.tensor([True, True])
+        dropped = model(x, tt, y, mask, drop_caption=drop)
+        assert torch.allclose(dropped, model(x, tt, other, mask, drop_caption=drop), atol=1e-6)
+        assert torch.allclose(dropped, base) != pooled
+
+
+def test_pooled_caption_state_dict_is_the_old_one_plus_the_pool():
+    old, new = tiny_model(), tiny_model(pooled_caption=True)
+    extra = set(new.state_dict()) - set(old.state_dict())
+    assert set(old.state_dict()) <= set(new.state_dict())
+    assert extra and all(k.startswith("caption_pool.") for k in extra)

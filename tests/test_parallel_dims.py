@@ -50,8 +50,34 @@ def test_sizes_that_do_not_fit_the_model_name_the_valid_ones():
     dims(4, "parallel.sp=4").check_model(num_heads=16, hidden_size=1152, depth=28)
 
 
-def test_tensor_and_pipeline_parallel_say_they_are_not_built_yet():
-    with pytest.raises(UserError, match="tensor parallelism is not available yet"):
-        dims(2, "parallel.tp=2").check_model(num_heads=4, hidden_size=128, depth=4)
-    with pytest.raises(UserError, match="pipeline parallelism is not available yet"):
-        dims(2, "parallel.pp=2").check_model(num_heads=4, hidden_size=128, depth=4)
+def test_tensor_and_sequence_parallel_must_split_the_heads_together():
+    dims(4, "parallel.tp=2", "parallel.sp=2").check_model(num_heads=4, hidden_size=128, depth=4)
+    with pytest.raises(UserError, match=r"sp=2 x parallel.tp=2 does not divide model.num_heads=6.*valid sp: 1, 3"):
+        dims(4, "parallel.tp=2", "parallel.sp=2").check_model(num_heads=6, hidden_size=384, depth=4)
+
+
+def test_tensor_and_pipeline_parallel_replace_ddp_by_fsdp():
+    assert dims(4, "parallel.tp=2", "parallel.dp_shard=1", "parallel.dp_replicate=2").data_parallel == "hsdp"
+    assert dims(4, "parallel.pp=2", "parallel.sp=1", "parallel.dp_shard=2").data_parallel == "fsdp"
+    assert dims(2, "parallel.tp=2").data_parallel == "none"
+
+
+def pipeline(world, *overrides, depth=4):
+    d = dims(world, *overrides)
+    return d.check_pipeline(load_config("tiny", list(overrides)).parallel, depth=depth)
+
+
+def test_pipeline_options_resolve_and_bad_ones_name_the_fix():
+    assert pipeline(2, "parallel.pp=2") == (1, 2)
+    assert pipeline(2, "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b") == (2, 4)
+    assert pipeline(2, "parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=3") == (1, 3)
+    with pytest.raises(UserError, match="pp_microbatches=3: 1f1b needs a multiple of parallel.pp=2; valid: 2, 4"):
+        pipeline(2, "parallel.pp=2", "parallel.pp_microbatches=3")
+    with pytest.raises(UserError, match="interleaved_1f1b needs parallel.pp_stages_per_rank >= 2"):
+        pipeline(2, "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=1")
+    with pytest.raises(UserError, match="pp_stages_per_rank=2 needs parallel.pp_schedule=interleaved_1f1b"):
+        pipeline(2, "parallel.pp=2", "parallel.pp_stages_per_rank=2")
+    with pytest.raises(UserError, match="= 16 stages but the model has 8 blocks"):
+        pipeline(8, "parallel.pp=8", "parallel.pp_schedule=interleaved_1f1b")
+    with pytest.raises(UserError, match="parallel.pp=2 with parallel.sp=2 is not supported"):
+        pipeline(4, "parallel.pp=2", "parallel.sp=2")

@@ -70,7 +70,7 @@ def test_activation_checkpointing_gives_the_same_gradients(toy_dir, tmp_path):
         cfg = load_config("tiny", tiny_overrides(toy_dir, **{"train.activation_checkpointing": ac,
                                                             "train.seed": 1}))
         trainer = Trainer(cfg, tmp_path / f"ac{ac}")
-        torch.nn.init.normal_(trainer.model.final_proj.weight, std=0.02)
+        torch.nn.init.normal_(trainer.model.final_layer.proj.weight, std=0.02)
         batch = next(trainer._batches())
         trainer.loss(batch).backward()
         return {n: p.grad.clone() for n, p in trainer.model.named_parameters()}

@@ -41,7 +41,7 @@ def model_geometry(cfg: Config, latent_channels: int, caption_channels: int) -> 
                        caption_length=cfg.text.max_length, depth=m.depth, hidden_size=m.hidden_size,
                        num_heads=m.num_heads, mlp_ratio=m.mlp_ratio, patch_size=tuple(m.patch_size),
                        qk_norm=m.qk_norm, pos_base_grid=m.pos_base_grid,
-                       temporal_pos_embed=m.temporal_pos_embed)
+                       temporal_pos_embed=m.temporal_pos_embed, pooled_caption=m.pooled_caption)
 
 
 def build_model(cfg: Config, vae, text) -> STDiT:

@@ -53,6 +53,8 @@ class ModelConfig:
     pos_base_grid: int = opt(16, "patch grid side at which spatial positions span their base range")
     temporal_pos_embed: bool = opt(False, "add an absolute sin/cos frame-index embedding (STDiT3 has only "
                                    "temporal RoPE)")
+    pooled_caption: bool = opt(False, "add the mean caption embedding (through a small MLP) to the timestep "
+                               "embedding, so the caption also drives adaLN (PixArt/SD3)")
 
     def resolved(self) -> "ModelConfig":
         """A copy with every preset-derived field filled in."""
@@ -154,6 +156,12 @@ class ParallelConfig:
     sp: int = opt(1, "sequence-parallel group size (Open-Sora: sp_size)", min=1)
     tp: int = opt(1, "tensor-parallel group size (Open-Sora: tp_size)", min=1)
     pp: int = opt(1, "pipeline-parallel stages (Open-Sora: pp_size)", min=1)
+    pp_schedule: str = opt("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved_1f1b"))
+    pp_microbatches: int = opt(0, "micro-batches per pipeline step; every bucket batch size must be a multiple "
+                               "(0 = the number of stages)", min=0)
+    pp_stages_per_rank: int = opt(0, "pipeline stages per rank (0 = 2 for interleaved_1f1b, else 1)", min=0)
+    pp_split: str = opt("even", "how blocks are cut into stages: even (by count) or cost (balanced FLOPs at the "
+                        "data's base bucket)", choices=("even", "cost"))
     reshard_after_forward: bool = opt(True, "FSDP: free gathered weights after forward (ZeRO-3); false keeps "
                                       "them for backward (ZeRO-2-like, more memory, less traffic)")
     cpu_offload: bool = opt(False, "FSDP: keep sharded weights, gradients and optimizer state in host memory")

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from videodit.checkpoint import CheckpointManager, LoadedCheckpoint, checkpoint_name, list_checkpoints
@@ -36,8 +35,10 @@ from videodit.errors import UserError
 from videodit.metrics import MetricsLogger, Throughput
 from videodit.models.dit import count_parameters
 from videodit.parallel.distributed import init_distributed
-from videodit.parallel.parallelize import clip_gradients, gradient_sync, parallelize
-from videodit.parallel.state import (full_tensors, load_model_state, load_optimizer_state,
+from videodit.parallel.gradients import gradient_sync
+from videodit.parallel.parallelize import parallelize
+from videodit.parallel.pipeline import block_costs, check_microbatches, pack_target, velocity_mse
+from videodit.parallel.state import (full_tensors, gather_stages, load_model_state, load_optimizer_state,
                                      load_shards, optimizer_state, save_shards)
 from videodit.runtime import StopSignals, check_config_change, run_info, seed_everything
 from videodit.sample import generate, write_clips
@@ -70,14 +71,16 @@ class Trainer:
         self.bad_files = BadFileGuard(cfg.data.max_bad_fraction)
 
         self.vae, self.text = build_encoders(cfg, self.device)
-        self.model = build_model(cfg, self.vae, self.text).to(self.device)
-        self.num_params = count_parameters(self.model)
-        # The module the step calls (DDP wraps; FSDP2 shards self.model in place).
-        self.train_module = parallelize(self.model, self.ctx, cfg.parallel,
-                                        activation_checkpointing=tc.activation_checkpointing,
-                                        param_dtype=self.autocast_dtype)
-        self.sharded = self.ctx.dims.data_parallel in ("fsdp", "hsdp")
         self.flow = RectifiedFlow(cfg.diffusion)
+        model = build_model(cfg, self.vae, self.text).to(self.device)
+        self.num_params = count_parameters(model)
+        self.parallel = self._parallelize(model)
+        # This rank's parameters, named as in the whole model (FSDP2 and TP shard in place,
+        # a pipeline stage keeps its parts), and the module a step calls (DDP wraps).
+        self.model, self.train_module = self.parallel.local_model, self.parallel.module
+        self.pipeline = self.parallel.pipeline
+        dims = self.ctx.dims
+        self.sharded = dims.data_parallel in ("fsdp", "hsdp") or dims.tp > 1 or dims.pp > 1
         self.ema = EMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=tc.lr, betas=tuple(tc.betas),
                                            weight_decay=tc.weight_decay)
@@ -179,13 +182,20 @@ class Trainer:
         """One optimizer step over ``micro_batches``; returns (loss, grad norm), both global."""
         self.train_module.train()
         total = 0.0
+        scale = 1.0 / len(micro_batches)
         for i, batch in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            with gradient_sync(self.train_module, enabled=last):
-                loss = self.loss(batch) / len(micro_batches)
+            if self.pipeline is not None:
+                inputs, target = self.prepare(batch)
+                with self._autocast():
+                    total += self.pipeline.step(inputs, pack_target(inputs[0], target, inputs[1]), scale)
+                continue
+            with gradient_sync(self.train_module, enabled=i == len(micro_batches) - 1):
+                loss = self.loss(batch) * scale
                 loss.backward()
             total += loss.item()
-        grad_norm = clip_gradients(self.model.parameters(), self.cfg.train.grad_clip)
+        if self.pipeline is not None:   # only the last stage saw the loss
+            total = self.ctx.sum_over("pp", total)
+        grad_norm = self.parallel.clip_gradients(self.cfg.train.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -195,6 +205,14 @@ class Trainer:
 
     def loss(self, batch: dict) -> torch.Tensor:
         """The rectified-flow loss of one micro-batch (from ``_batches``, which seeds its noise)."""
+        inputs, target = self.prepare(batch)
+        with self._autocast():
+            out = self.train_module(*inputs)
+        return self.flow.loss(out, inputs[0], inputs[1], target)
+
+    def prepare(self, batch: dict) -> tuple[tuple, torch.Tensor]:
+        """The model inputs (x_t, t, y, y_mask, fps, drop_caption) of one micro-batch and its
+        velocity target."""
         video = batch["video"].to(self.device, non_blocking=True)
         with torch.no_grad():
             x0 = self.vae.encode(video)
@@ -206,10 +224,24 @@ class Trainer:
         noise = torch.randn(x0.shape, generator=generator).to(self.device)
         drop = (torch.rand(n, generator=generator) < self.cfg.diffusion.caption_dropout).to(self.device)
         x_t = self.flow.interpolate(x0, noise, t)
-        with self._autocast():
-            out = self.train_module(x_t, t, y, y_mask, batch["fps"].to(self.device), drop)
-        v = self.flow.model_velocity(out.float(), x_t, t)
-        return F.mse_loss(v, self.flow.velocity_target(x0, noise).float())
+        inputs = (x_t, t, y, y_mask, batch["fps"].to(self.device), drop)
+        return inputs, self.flow.velocity_target(x0, noise)
+
+    def _parallelize(self, model):
+        cfg, dims = self.cfg, self.ctx.dims
+        costs = None
+        if dims.pp > 1:
+            _, microbatches = dims.check_pipeline(cfg.parallel, depth=cfg.model.depth)
+            check_microbatches({f"{b.resolution}/{b.num_frames}/{b.ratio}": b.batch_size
+                                for b in self.data.plan.buckets if b.batch_size}, microbatches)
+            # The FLOP balance is taken at the data's base bucket (every bucket scales alike).
+            frames, height, width = self.vae.latent_size(cfg.data.num_frames, cfg.data.height, cfg.data.width)
+            pt, ph, pw = model.geometry.patch_size
+            costs = block_costs(model, -(-frames // pt), -(-height // ph) * -(-width // pw),
+                                cfg.text.max_length, cfg.parallel.pp_split)
+        return parallelize(model, self.ctx, cfg.parallel, activation_checkpointing=cfg.train.activation_checkpointing,
+                           param_dtype=self.autocast_dtype, pipeline_loss=velocity_mse(model.geometry, self.flow),
+                           block_costs=costs)
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -260,20 +292,24 @@ class Trainer:
         Gathering is a collective, so every rank calls this."""
         if self.ema is None and not self.ctx.distributed:
             return self.model
-        weights = full_tensors(self.ema.state_dict() if self.ema is not None else self.model.state_dict())
+        weights = self._whole(self.ema.state_dict() if self.ema is not None else self.model.state_dict())
         if not self.is_main:
             return None
         model = build_model(self.cfg, self.vae, self.text).to(self.device)
         model.load_state_dict(weights)
         return model
 
+    def _whole(self, state: dict) -> dict:
+        """The whole model's tensors on rank 0 from every rank's shards and stages (a collective)."""
+        return gather_stages(full_tensors(state), self.ctx)
+
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> Path | None:
         """Save on every rank (gathering and DCP shards are collectives); rank 0 writes the files."""
-        tensors = {"model": full_tensors(self.model.state_dict())}
+        tensors = {"model": self._whole(self.model.state_dict())}
         if self.ema is not None:
-            tensors["ema"] = full_tensors(self.ema.state_dict())
+            tensors["ema"] = self._whole(self.ema.state_dict())
         ema_shards = self.ema.state_dict() if self.ema is not None else None
 
         def write_shards(staging: Path | None) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from videodit.config import Config
@@ -61,8 +60,7 @@ class Validator:
                 x_t = flow.interpolate(x0, noise, t)
                 with autocast():
                     out = model(x_t, t, y, y_mask, batch["fps"].to(self.device), keep)
-                v = flow.model_velocity(out.float(), x_t, t)
-                loss += F.mse_loss(v, flow.velocity_target(x0, noise).float()).item()
+                loss += flow.loss(out, x_t, t, flow.velocity_target(x0, noise)).item()
             shape = tuple(video.shape[2:])
             name = f"val_loss/{shape[0]}x{shape[1]}x{shape[2]}"
             totals[name] += loss / len(self.timesteps) * n

@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from videodit.config import load_config
-from videodit.parallel.state import full_tensors
 from videodit.train import Trainer
 
 
@@ -27,7 +26,7 @@ def train(name: str, overrides: list[str], steps: int, out: Path) -> None:
         micro = [next(batches) for _ in range(cfg.train.grad_accum)]
         keys.append([batch["noise_seed"] for batch in micro] + [str(batch["video"].shape) for batch in micro])
         losses.append(trainer.train_step(micro)[0])
-    weights = full_tensors(trainer.model.state_dict())
+    weights = trainer._whole(trainer.model.state_dict())   # every shard and pipeline stage
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, keys)
     if dist.get_rank() == 0:

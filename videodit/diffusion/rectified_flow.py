@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from videodit.config import DiffusionConfig
 
@@ -68,6 +69,11 @@ class RectifiedFlow:
             return output
         t = t.view(-1, *([1] * (output.dim() - 1))).to(output.dtype).clamp(min=0.05)
         return (x_t - output) / t
+
+    def loss(self, output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
+             target_velocity: torch.Tensor) -> torch.Tensor:
+        """The training loss: mean squared error of the output's velocity, in fp32."""
+        return F.mse_loss(self.model_velocity(output.float(), x_t, t), target_velocity.float())
 
     def sample(self, velocity: VelocityFn, noise: torch.Tensor, steps: int, ratio: float = 1.0,
                guidance: float = 1.0, uncond_velocity: VelocityFn | None = None) -> torch.Tensor:

@@ -36,6 +36,7 @@ class DiTGeometry:
     qk_norm: bool = True
     pos_base_grid: int = 16
     temporal_pos_embed: bool = False
+    pooled_caption: bool = False
 
 
 class STBlock(nn.Module):
@@ -89,6 +90,42 @@ class CaptionEmbedder(nn.Module):
         return self.proj(y), y_mask
 
 
+class PooledCaption(nn.Module):
+    """One global caption vector per sample, added to the timestep embedding.
+
+    The mean of the embedded caption tokens over the valid ones (the null caption's when the
+    caption is dropped), through a small MLP. Added to ``cond``, it reaches every block's
+    adaLN shift/scale/gate and the final layer, as the pooled text embedding does in
+    PixArt/SD3: a caption word can then switch what the whole network does, instead of
+    only adding what each token fetches through cross-attention.
+    """
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+
+    def forward(self, y, y_mask):
+        """y: embedded caption tokens [B, L, D]; y_mask: [B, L] bool (at least one True per row)."""
+        weights = y_mask.to(y.dtype)[..., None]
+        pooled = (y * weights).sum(dim=1) / weights.sum(dim=1)
+        return self.mlp(pooled)
+
+
+class FinalLayer(nn.Module):
+    """adaLN-modulated norm and the projection from tokens back to patches."""
+
+    def __init__(self, dim: int, patch_values: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.table = nn.Parameter(torch.randn(2, dim) / dim**0.5)
+        self.proj = nn.Linear(dim, patch_values)
+
+    def forward(self, tokens, cond):
+        """tokens: [B, T', S, D]; cond: [B, D] -> [B, T', S, patch_values]."""
+        shift, scale = (self.table[None] + cond[:, None])[:, :, None, None].unbind(1)
+        return self.proj(modulate(self.norm(tokens), shift, scale))
+
+
 class STDiT(nn.Module):
     def __init__(self, geometry: DiTGeometry):
         super().__init__()
@@ -99,14 +136,13 @@ class STDiT(nn.Module):
         self.fps_embedder = ScalarEmbedder(dim)
         self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
         self.caption_embedder = CaptionEmbedder(g.caption_channels, g.caption_length, dim)
+        self.caption_pool = PooledCaption(dim) if g.pooled_caption else None
         self.rope = RotaryEmbedding(dim // g.num_heads)
         self.spatial_blocks = nn.ModuleList(
             STBlock(dim, g.num_heads, g.mlp_ratio, g.qk_norm, temporal=False) for _ in range(g.depth))
         self.temporal_blocks = nn.ModuleList(
             STBlock(dim, g.num_heads, g.mlp_ratio, g.qk_norm, temporal=True) for _ in range(g.depth))
-        self.final_norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
-        self.final_table = nn.Parameter(torch.randn(2, dim) / dim**0.5)
-        self.final_proj = nn.Linear(dim, g.in_channels * g.patch_size[0] * g.patch_size[1] * g.patch_size[2])
+        self.final_layer = FinalLayer(dim, g.in_channels * g.patch_size[0] * g.patch_size[1] * g.patch_size[2])
         self._init_weights()
 
     def _init_weights(self):
@@ -115,15 +151,16 @@ class STDiT(nn.Module):
                 nn.init.xavier_uniform_(module.weight)
                 nn.init.zeros_(module.bias)
         nn.init.xavier_uniform_(self.patch_embed.weight.flatten(1))
-        for embedder in (self.t_embedder, self.fps_embedder):
-            for layer in embedder.mlp[0::2]:
-                nn.init.normal_(layer.weight, std=0.02)
+        for embedder in (self.t_embedder, self.fps_embedder, self.caption_pool):
+            if embedder is not None:
+                for layer in embedder.mlp[0::2]:
+                    nn.init.normal_(layer.weight, std=0.02)
         nn.init.normal_(self.t_block[1].weight, std=0.02)
         # Start as identity blocks with zero output, as DiT does: the caption path and the
         # final projection begin at zero so early training is stable.
         for block in [*self.spatial_blocks, *self.temporal_blocks]:
             nn.init.zeros_(block.cross_attn.proj.weight)
-        nn.init.zeros_(self.final_proj.weight)
+        nn.init.zeros_(self.final_layer.proj.weight)
 
     @property
     def blocks(self) -> list[STBlock]:
@@ -137,6 +174,15 @@ class STDiT(nn.Module):
         [B, L, caption_channels]; y_mask: [B, L] bool; fps: [B] (optional);
         drop_caption: [B] bool, replace those captions by the null caption.
         """
+        tokens, y, y_mask, t_mod, cond = self.embed(x, t, y, y_mask, fps, drop_caption)
+        rope = self.rope(torch.arange(tokens.shape[1], device=x.device))
+        for block in self.blocks:
+            tokens = block(tokens, y, y_mask, t_mod, rope)
+        return self.unpatchify(self.final_layer(tokens, cond), x.shape)
+
+    def embed(self, x, t, y, y_mask, fps=None, drop_caption=None):
+        """Everything before the blocks: the token grid [B, T', S, D], the embedded caption
+        and its mask, the per-block adaLN input ``t_mod`` [B, 6, D] and ``cond`` [B, D]."""
         b, _, frames, height, width = x.shape
         pt, ph, pw = self.geometry.patch_size
         pad = (0, -width % pw, 0, -height % ph, 0, -frames % pt)
@@ -148,27 +194,28 @@ class STDiT(nn.Module):
             frame_pos = sinusoidal_embedding(torch.arange(tp, device=x.device), dim)
             tokens = tokens + frame_pos[None, :, None, :].to(tokens.dtype)
 
+        y, y_mask = self.caption_embedder(y, y_mask, drop_caption)
         cond = self.t_embedder(t)
         if fps is not None:
             cond = cond + self.fps_embedder(fps)
+        if self.caption_pool is not None:
+            cond = cond + self.caption_pool(y, y_mask)
         t_mod = self.t_block(cond).view(b, 6, dim)
-        y, y_mask = self.caption_embedder(y, y_mask, drop_caption)
-        rope = self.rope(torch.arange(tp, device=x.device))
+        return tokens, y, y_mask, t_mod, cond
 
-        for block in self.blocks:
-            tokens = block(tokens, y, y_mask, t_mod, rope)
+    def unpatchify(self, tokens, latent_shape):
+        return unpatchify(tokens, latent_shape, self.geometry)
 
-        shift, scale = (self.final_table[None] + cond[:, None])[:, :, None, None].unbind(1)
-        out = self.final_proj(modulate(self.final_norm(tokens), shift, scale))
-        return self._unpatchify(out, tp, hp, wp)[:, :, :frames, :height, :width]
 
-    def _unpatchify(self, tokens, tp, hp, wp):
-        """[B, T', S, pt*ph*pw*C] -> [B, C, T'*pt, H'*ph, W'*pw]."""
-        pt, ph, pw = self.geometry.patch_size
-        b, c = tokens.shape[0], self.geometry.in_channels
-        x = tokens.reshape(b, tp, hp, wp, pt, ph, pw, c)
-        x = x.permute(0, 7, 1, 4, 2, 5, 3, 6)
-        return x.reshape(b, c, tp * pt, hp * ph, wp * pw)
+def unpatchify(tokens: torch.Tensor, latent_shape, geometry: DiTGeometry) -> torch.Tensor:
+    """[B, T', S, pt*ph*pw*C] -> [B, C, T, H, W] of ``latent_shape`` (padding dropped)."""
+    frames, height, width = latent_shape[-3:]
+    pt, ph, pw = geometry.patch_size
+    tp, hp, wp = -(-frames // pt), -(-height // ph), -(-width // pw)
+    b, c = tokens.shape[0], geometry.in_channels
+    x = tokens.reshape(b, tp, hp, wp, pt, ph, pw, c)
+    x = x.permute(0, 7, 1, 4, 2, 5, 3, 6)
+    return x.reshape(b, c, tp * pt, hp * ph, wp * pw)[:, :, :frames, :height, :width]
 
 
 def count_parameters(model: nn.Module) -> int:

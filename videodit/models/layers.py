@@ -53,13 +53,30 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+def split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[n, tokens, heads * head_dim] -> [n, heads, tokens, head_dim].
+
+    The head count comes from the width, so a tensor-parallel shard (a slice of the
+    heads) goes through the same code as the whole projection.
+    """
+    n, length, _ = x.shape
+    return x.view(n, length, -1, head_dim).transpose(1, 2)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """[n, heads, tokens, head_dim] -> [n, tokens, heads * head_dim]."""
+    n, heads, length, head_dim = x.shape
+    return x.transpose(1, 2).reshape(n, length, heads * head_dim)
+
+
 class SelfAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, qk_norm: bool, kind: str):
         super().__init__()
-        self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.kind = kind
-        self.qkv = nn.Linear(dim, 3 * dim)
+        # Separate projections (not one fused qkv) so that tensor parallelism can shard
+        # each by heads: a column split of a fused weight would mix q, k and v.
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
         self.q_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim)
@@ -67,13 +84,13 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
         """x: [sequences, tokens, dim]; attention runs within each sequence."""
-        n, length, dim = x.shape
-        qkv = self.qkv(x).view(n, length, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = self.q_norm(qkv[0]), self.k_norm(qkv[1]), qkv[2]
+        n, length, _ = x.shape
+        q, k, v = (split_heads(proj(x), self.head_dim) for proj in (self.q, self.k, self.v))
+        q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = self.backend(q, k, v, kind=self.kind)
-        return self.proj(out.transpose(1, 2).reshape(n, length, dim))
+        return self.proj(merge_heads(out))
 
 
 class CrossAttention(nn.Module):
@@ -81,20 +98,17 @@ class CrossAttention(nn.Module):
 
     def __init__(self, dim: int, num_heads: int):
         super().__init__()
-        self.num_heads = num_heads
         self.head_dim = dim // num_heads
-        self.q = nn.Linear(dim, dim)
-        self.kv = nn.Linear(dim, 2 * dim)
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
         self.proj = nn.Linear(dim, dim)
         self.backend: AttentionBackend = SDPA
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, y_mask: torch.Tensor):
         """x: [B, N, dim] video tokens; y: [B, L, dim] caption tokens; y_mask: [B, L] bool."""
-        b, n, dim = x.shape
-        q = self.q(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
-        k, v = self.kv(y).view(b, -1, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q = split_heads(self.q(x), self.head_dim)
+        k, v = split_heads(self.k(y), self.head_dim), split_heads(self.v(y), self.head_dim)
         out = self.backend(q, k, v, kind="cross", attn_mask=y_mask[:, None, None, :])
-        return self.proj(out.transpose(1, 2).reshape(b, n, dim))
+        return self.proj(merge_heads(out))
 
 
 class Mlp(nn.Module):

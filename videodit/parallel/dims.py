@@ -76,19 +76,41 @@ class ParallelDims:
             # Images and frame counts that do not split fall back to head-parallel attention.
             raise UserError(f"parallel.sp={self.sp} does not divide model.num_heads={num_heads}; valid: "
                             f"{_listing(divisors(num_heads))}")
-        if self.tp > 1:
+        if num_heads % self.tp or hidden_size % self.tp:
             valid = [d for d in divisors(num_heads) if hidden_size % d == 0]
-            if num_heads % self.tp or hidden_size % self.tp:
-                raise UserError(f"parallel.tp={self.tp} does not divide model.num_heads={num_heads} and "
-                                f"model.hidden_size={hidden_size}; valid: {_listing(valid)}")
-            raise UserError("parallel.tp > 1: tensor parallelism is not available yet; use parallel.dp_shard "
-                            "and parallel.sp to split the job")
-        if self.pp > 1:
-            blocks = 2 * depth
-            if self.pp > blocks:
-                raise UserError(f"parallel.pp={self.pp} exceeds the model's {blocks} blocks; valid: 1 to {blocks}")
-            raise UserError("parallel.pp > 1: pipeline parallelism is not available yet; use parallel.dp_shard "
-                            "and parallel.sp to split the job")
+            raise UserError(f"parallel.tp={self.tp} does not divide model.num_heads={num_heads} and "
+                            f"model.hidden_size={hidden_size}; valid: {_listing(valid)}")
+        if num_heads % (self.sp * self.tp):
+            # Each TP rank holds heads/tp heads; head-parallel SP attention splits those again.
+            raise UserError(f"parallel.sp={self.sp} x parallel.tp={self.tp} does not divide model.num_heads="
+                            f"{num_heads}: with tp={self.tp} each rank has {num_heads // self.tp} heads; "
+                            f"valid sp: {_listing(divisors(num_heads // self.tp))}")
+        if self.pp > 2 * depth:
+            raise UserError(f"parallel.pp={self.pp} exceeds the model's {2 * depth} blocks; valid: 1 to {2 * depth}")
+
+    def check_pipeline(self, cfg: ParallelConfig, *, depth: int) -> tuple[int, int]:
+        """Check the pipeline options; return (stages per rank, micro-batches per step)."""
+        interleaved = cfg.pp_schedule == "interleaved_1f1b"
+        per_rank = cfg.pp_stages_per_rank or (2 if interleaved else 1)
+        microbatches = cfg.pp_microbatches or self.pp * per_rank
+        if self.pp == 1:
+            return 1, 1
+        if self.sp > 1:
+            raise UserError(f"parallel.pp={self.pp} with parallel.sp={self.sp} is not supported; combine pipeline "
+                            "stages with dp_shard, dp_replicate and tp, or sequence parallelism without pp")
+        if interleaved and per_rank < 2:
+            raise UserError("parallel.pp_schedule=interleaved_1f1b needs parallel.pp_stages_per_rank >= 2; "
+                            "use 1f1b for one stage per rank")
+        if not interleaved and per_rank != 1:
+            raise UserError(f"parallel.pp_stages_per_rank={per_rank} needs parallel.pp_schedule=interleaved_1f1b; "
+                            f"{cfg.pp_schedule} runs one stage per rank")
+        if self.pp * per_rank > 2 * depth:
+            raise UserError(f"parallel.pp={self.pp} x pp_stages_per_rank={per_rank} = {self.pp * per_rank} stages "
+                            f"but the model has {2 * depth} blocks; lower one of them")
+        if cfg.pp_schedule != "gpipe" and (microbatches < self.pp or microbatches % self.pp):
+            raise UserError(f"parallel.pp_microbatches={microbatches}: {cfg.pp_schedule} needs a multiple of "
+                            f"parallel.pp={self.pp}; valid: {', '.join(str(self.pp * k) for k in range(1, 5))}, ...")
+        return per_rank, microbatches
 
     # ------------------------------------------------------------------ derived sizes
 
@@ -102,7 +124,13 @@ class ParallelDims:
         """How gradients are shared: none (one rank), ddp, fsdp or hsdp."""
         if self.dp_shard > 1:
             return "hsdp" if self.dp_replicate > 1 else "fsdp"
-        return "ddp" if self.dp_replicate * self.sp > 1 else "none"
+        if self.dp_replicate * self.sp == 1:
+            return "none"
+        if self.tp > 1 or self.pp > 1:
+            # DDP does not take DTensor (TP) parameters or pipeline stages: FSDP2 over a
+            # shard group of the SP ranks (size 1 without SP) replicates just as well.
+            return "hsdp" if self.dp_replicate > 1 else "fsdp"
+        return "ddp"
 
     def describe(self) -> str:
         parts = [f"{name}={getattr(self, name)}" for name in MESH_DIMS if getattr(self, name) > 1]
@@ -119,7 +147,7 @@ class ParallelDims:
 
         shape = tuple(getattr(self, name) for name in MESH_DIMS)
         world = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-        meshes = {"world": world, "sp": world["sp"],
+        meshes = {"world": world, "sp": world["sp"], "tp": world["tp"], "pp": world["pp"],
                   "dp": world["dp_replicate", "dp_shard"]._flatten("dp"),
                   "dp_shard_sp": world["dp_shard", "sp"]._flatten("dp_shard_sp"),
                   "dp_sp": world["dp_replicate", "dp_shard", "sp"]._flatten("dp_sp")}

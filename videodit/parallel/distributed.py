@@ -41,11 +41,15 @@ class DistContext:
     @property
     def dp_rank(self) -> int:
         """This rank's index among the ranks that receive different batches."""
-        return self.meshes["dp"].get_local_rank() if self.distributed else 0
+        return self.rank_in("dp")
 
     @property
     def dp_size(self) -> int:
         return self.dims.dp_size
+
+    def rank_in(self, name: str) -> int:
+        """This rank's index along one mesh axis (``pp``, ``tp``, ...)."""
+        return self.meshes[name].get_local_rank() if self.distributed else 0
 
     def group(self, name: str):
         return self.meshes[name].get_group()
@@ -69,6 +73,14 @@ class DistContext:
         tensor = torch.tensor([value], dtype=torch.float64, device=self._collective_device)
         dist.all_reduce(tensor)
         return tensor.item() / self.world_size
+
+    def sum_over(self, name: str, value: float) -> float:
+        """The sum of ``value`` over one mesh axis (e.g. the loss, known on the last pipeline stage)."""
+        if not self.distributed:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64, device=self._collective_device)
+        dist.all_reduce(tensor, group=self.group(name))
+        return tensor.item()
 
     def any(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on one (a stop signal, a save decision)."""
@@ -100,6 +112,7 @@ def init_distributed(cfg: Config) -> DistContext:
     dims = ParallelDims.from_config(cfg.parallel, world)
     m = cfg.model
     dims.check_model(num_heads=m.num_heads, hidden_size=m.hidden_size, depth=m.depth)
+    dims.check_pipeline(cfg.parallel, depth=m.depth)
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(cfg.train.device, local_rank)
     if world == 1:

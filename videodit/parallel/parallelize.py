@@ -1,47 +1,81 @@
-"""Apply parallelism to a DiT from outside, in order: sequence parallel, activation
-checkpointing, then data parallel (DDP, or FSDP2 per block and at the root).
+"""Apply parallelism to a DiT from outside, in order: pipeline stages, tensor parallel,
+sequence parallel, activation checkpointing, then data parallel (DDP, or FSDP2 per block
+and at each root).
 
-``parallelize`` returns the module the training step calls. The model object itself keeps
-its parameter names (FSDP2 shards in place), so state dicts, EMA and checkpoints use it
-directly.
+``parallelize`` returns a :class:`ParallelModel`. Its ``local_model`` holds this rank's
+parameters under their names in the whole model (FSDP2 and TP shard in place; pipeline
+stages keep only their parts), so state dicts, EMA and checkpoints use it directly.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from videodit.config import ParallelConfig
 from videodit.memory.activation import apply_activation_checkpointing
 from videodit.parallel.distributed import DistContext
+from videodit.parallel.gradients import clip_gradients, sum_partial_gradients
+from videodit.parallel.pipeline import Pipeline, build_pipeline
 from videodit.parallel.sequence import apply_sequence_parallel
+from videodit.parallel.tensor import apply_tensor_parallel
+
+
+@dataclass
+class ParallelModel:
+    local_model: nn.Module          # this rank's parameters, named as in the whole model
+    module: nn.Module               # what a step calls when there is no pipeline
+    pipeline: Pipeline | None = None
+    ctx: DistContext | None = None
+    partial_gradients: list[str] = field(default_factory=list)   # summed over TP after backward
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Finish this step's gradients (TP partial sums) and clip them by the global norm."""
+        if self.partial_gradients:
+            sum_partial_gradients(self.local_model, self.partial_gradients, self.ctx.group("tp"))
+        pp_group = self.ctx.group("pp") if self.pipeline is not None else None
+        return clip_gradients(self.local_model.parameters(), max_norm, pp_group)
 
 
 def parallelize(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *, activation_checkpointing: bool,
-                param_dtype: torch.dtype | None) -> nn.Module:
-    if ctx.dims.sp > 1:
+                param_dtype: torch.dtype | None, pipeline_loss: Callable | None = None,
+                block_costs: Sequence[float] | None = None) -> ParallelModel:
+    """With ``parallel.pp > 1``: ``pipeline_loss(output_patches, target)`` is the last stage's
+    loss (see ``pipeline.velocity_mse``) and ``block_costs`` the relative cost of each block
+    (see ``pipeline.block_costs``)."""
+    dims = ctx.dims
+    pipeline, stages = None, [model]
+    if dims.pp > 1:
+        per_rank, microbatches = dims.check_pipeline(cfg, depth=len(model.blocks) // 2)
+        pipeline, model = build_pipeline(
+            model, pp=dims.pp, pp_rank=ctx.rank_in("pp"), schedule=cfg.pp_schedule, stages_per_rank=per_rank,
+            microbatches=microbatches, costs=block_costs or [1.0] * len(model.blocks), group=ctx.group("pp"),
+            device=ctx.device, loss_fn=pipeline_loss)
+        stages = [pipeline.stages[s] for s in sorted(pipeline.stages)]
+    partial = apply_tensor_parallel(model, ctx.meshes["tp"]) if dims.tp > 1 else []
+    if dims.sp > 1:
         apply_sequence_parallel(model, ctx.group("sp"))
     if activation_checkpointing:
         apply_activation_checkpointing(model)
-    kind = ctx.dims.data_parallel
-    if kind in ("fsdp", "hsdp"):
-        apply_fsdp(model, ctx, cfg, param_dtype=param_dtype)
-        return model
-    if kind == "ddp":
+    module = model
+    if dims.data_parallel in ("fsdp", "hsdp"):
+        apply_fsdp(model, stages, ctx, cfg, param_dtype=param_dtype)
+    elif dims.data_parallel == "ddp":
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        return DistributedDataParallel(model, process_group=ctx.group("dp_sp"), device_ids=device_ids)
-    return model
+        module = DistributedDataParallel(model, process_group=ctx.group("dp_sp"), device_ids=device_ids)
+    return ParallelModel(model, module, pipeline, ctx, partial)
 
 
-def apply_fsdp(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *, param_dtype: torch.dtype | None) -> None:
-    """FSDP2 on every block, then the root (embedders and output layer).
+def apply_fsdp(model: nn.Module, roots: list[nn.Module], ctx: DistContext, cfg: ParallelConfig, *,
+               param_dtype: torch.dtype | None) -> None:
+    """FSDP2 on every block, then on each root (the model, or each pipeline stage): the
+    embedders and the output layer.
 
     Gradients are reduced in fp32 and the sharded master weights stay fp32; only the
     gathered compute copy is ``param_dtype``. HSDP uses a 2D mesh: replicate x shard.
@@ -55,22 +89,5 @@ def apply_fsdp(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *, param
     for i, block in enumerate(blocks):
         # The last block's weights are needed again first in backward: never reshard them.
         fully_shard(block, reshard_after_forward=cfg.reshard_after_forward and i < len(blocks) - 1, **options)
-    fully_shard(model, reshard_after_forward=cfg.reshard_after_forward, **options)
-
-
-def gradient_sync(module: nn.Module, enabled: bool):
-    """A context in which backward does (enabled) or skips (disabled) the gradient collective:
-    gradient accumulation communicates only on the last micro-batch."""
-    if isinstance(module, DistributedDataParallel):
-        return contextlib.nullcontext() if enabled else module.no_sync()
-    if hasattr(module, "set_requires_gradient_sync"):   # FSDP2
-        module.set_requires_gradient_sync(enabled)
-    return contextlib.nullcontext()
-
-
-def clip_gradients(parameters, max_norm: float) -> float:
-    """Clip by the global gradient norm across all shards; return the norm before clipping."""
-    norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm if max_norm > 0 else math.inf)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return float(norm)
+    for root in roots:
+        fully_shard(root, reshard_after_forward=cfg.reshard_after_forward, **options)

@@ -32,6 +32,25 @@ def full_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             for name, tensor in tensors.items()}
 
 
+def gather_stages(tensors: dict[str, torch.Tensor], ctx) -> dict[str, torch.Tensor]:
+    """Under pipeline parallelism each stage holds part of the model: merge the parts on the
+    first rank of each pipeline group (global rank 0 gets the whole model; other ranks get
+    their own part back). A collective over the pipeline group."""
+    if not ctx.distributed or ctx.dims.pp == 1:
+        return tensors
+    group = ctx.group("pp")
+    first = dist.get_global_rank(group, 0)
+    parts = [None] * ctx.dims.pp if ctx.rank == first else None
+    dist.gather_object(tensors, parts, dst=first, group=group)
+    if ctx.rank != first:
+        return tensors
+    return {name: tensor for part in parts for name, tensor in part.items()}
+
+
+def _restricted(state: dict, names) -> dict:
+    return {name: value for name, value in state.items() if name in names}
+
+
 def copy_into(targets: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> None:
     """Copy whole tensors from ``source`` into ``targets``, which may be shards (DTensor)."""
     missing = targets.keys() - source.keys()
@@ -53,12 +72,18 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
 
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Load a whole, name-keyed optimizer state into a plain or sharded model's optimizer."""
+    """Load a whole, name-keyed optimizer state into a plain or sharded model's optimizer
+    (a pipeline stage takes its own parameters' part)."""
+    names = {name for name, _ in model.named_parameters()}
+    state = {"state": _restricted(state["state"], names),
+             "param_groups": [{**group, "params": [n for n in group["params"] if n in names]}
+                              for group in state["param_groups"]]}
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load whole tensors into a plain or sharded model."""
+    """Load whole tensors into a plain or sharded model (a pipeline stage takes its part)."""
+    state = _restricted(state, model.state_dict().keys())
     if any(isinstance(p, DTensor) for p in model.parameters()):
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
     else:

@@ -1,0 +1,62 @@
+"""Tensor parallelism for the spatial-temporal DiT with DTensor ``parallelize_module``.
+
+Megatron-style pairs inside every block, so each pair costs one all-reduce in forward
+and one in backward:
+
+- self- and cross-attention: q, k, v column-wise (each rank owns ``heads / tp`` heads),
+  the output projection row-wise;
+- MLP: fc1 column-wise, fc2 row-wise.
+
+At the root, the caption MLP is a column/row pair too, and the adaLN-single projection
+(``t_block``, ``6 x hidden`` outputs) is column-wise with its output gathered. Blocks
+see whole (replicated) activations between the pairs, so sequence parallelism, which
+works on the block inputs, composes with this unchanged.
+
+Everything else stays whole on every TP rank: the patch embedding, the embedders' small
+MLPs, the per-block adaLN tables and the output layer. Their gradients are identical on
+every TP rank, except for the per-head q/k RMSNorm weights: each rank sees only its own
+heads, so their gradients are partial sums that :func:`partial_gradient_names` lists
+and ``parallel.gradients`` all-reduces over the TP group after backward.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+
+def _attention_plan(prefix: str) -> dict:
+    return {f"{prefix}.q": ColwiseParallel(), f"{prefix}.k": ColwiseParallel(),
+            f"{prefix}.v": ColwiseParallel(), f"{prefix}.proj": RowwiseParallel()}
+
+
+BLOCK_PLAN = {**_attention_plan("attn"), **_attention_plan("cross_attn"),
+              "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+
+ROOT_PLAN = {"caption_embedder.proj.fc1": ColwiseParallel(), "caption_embedder.proj.fc2": RowwiseParallel(),
+             "t_block.1": ColwiseParallel(output_layouts=Replicate())}
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh) -> list[str]:
+    """Shard ``model`` over ``tp_mesh`` in place; return the names of the parameters whose
+    gradients each TP rank computes only in part (see the module docstring)."""
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, BLOCK_PLAN)
+    root_plan = {name: style for name, style in ROOT_PLAN.items() if _has_module(model, name)}
+    parallelize_module(model, tp_mesh, root_plan)
+    return partial_gradient_names(model)
+
+
+def partial_gradient_names(model: nn.Module) -> list[str]:
+    """The per-head q/k norm weights of self-attention."""
+    return [name for name, _ in model.named_parameters()
+            if name.rsplit(".", 2)[-2] in ("q_norm", "k_norm")]
+
+
+def _has_module(model: nn.Module, name: str) -> bool:
+    """A pipeline stage keeps only some of the root modules (see ``parallel/pipeline.py``)."""
+    try:
+        return isinstance(model.get_submodule(name), nn.Linear)
+    except AttributeError:
+        return False
