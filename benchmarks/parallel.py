@@ -2,8 +2,8 @@
 
     python benchmarks/parallel.py [--world 4] [--preset S] [--layouts fsdp tp2_dp2 ...] [--device cpu]
 
-Each layout runs the real Trainer (toy data, one bucket: 8 frames of 32x32, batch 2 per
-data-parallel rank, fp32) in ``--world`` processes (gloo on CPU, NCCL on GPU). After a
+Each layout runs the real Trainer (toy data, one bucket: ``--frames`` frames of 32x32
+pixel latents, batch 2 per data-parallel rank, fp32) in ``--world`` processes (gloo on CPU, NCCL on GPU). After a
 warm-up step, one measured step reports per rank (the largest rank is shown):
 
 - parameter and gradient bytes this rank holds (local shards, local pipeline stages);
@@ -34,8 +34,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
+from torch.distributed.pipelining import PipelineStage
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 LAYOUTS = {
     "fsdp": [],
@@ -44,7 +47,7 @@ LAYOUTS = {
     "sp2_dp2": ["parallel.sp=2"],
     "pp2_dp2": ["parallel.pp=2"],
     "pp2_tp2": ["parallel.pp=2", "parallel.tp=2"],
-    "pp4": ["parallel.pp=4"],
+    "pp4_gpipe": ["parallel.pp=4", "parallel.pp_schedule=gpipe", "parallel.pp_microbatches=2"],
 }
 
 
@@ -57,8 +60,11 @@ def _bytes(tensor) -> int:
 class CollectiveBytes:
     """Wraps the collectives and adds up the bytes this rank hands to them."""
 
-    DIST = {"all_reduce": 0, "all_gather_into_tensor": 1, "reduce_scatter_tensor": 1, "all_to_all_single": 1,
-            "all_gather": 1, "broadcast": 0, "send": 0, "isend": 0}
+    # name -> position of the input; FSDP2 uses the *_single names from torch 2.13, the
+    # *_tensor ones before.
+    DIST = {"all_reduce": 0, "all_gather_into_tensor": 1, "reduce_scatter_tensor": 1, "all_gather_single": 1,
+            "reduce_scatter_single": 1, "all_to_all_single": 1, "all_gather": 1, "broadcast": 0, "send": 0}
+    INPUT_NAMES = ("input", "input_tensor", "tensor")
     FUNCTIONAL = ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single",
                   "all_reduce_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced")
 
@@ -72,20 +78,23 @@ class CollectiveBytes:
 
     def install(self):
         for name, position in self.DIST.items():
+            if not hasattr(dist, name):
+                continue
             original = getattr(dist, name)
 
             def wrapped(*args, _original=original, _position=position, **kwargs):
-                self._count(args[_position] if len(args) > _position else next(iter(kwargs.values())))
+                named = [kwargs[key] for key in self.INPUT_NAMES if key in kwargs]
+                self._count(args[_position] if len(args) > _position else named[0])
                 return _original(*args, **kwargs)
             setattr(dist, name, wrapped)
-        original_batch = dist.batch_isend_irecv
+        for name in ("get_fwd_send_ops", "get_bwd_send_ops"):   # pipelining's point-to-point sends
+            original = getattr(PipelineStage, name)
 
-        def batch_isend_irecv(ops, _original=original_batch):
-            for op in ops:
-                if getattr(op.op, "__name__", "") == "isend":
-                    self._count(op.tensor)
-            return _original(ops)
-        dist.batch_isend_irecv = batch_isend_irecv
+            def wrapped(stage, *args, _original=original, **kwargs):
+                ops = _original(stage, *args, **kwargs)
+                self._count([op.tensor for op in ops])
+                return ops
+            setattr(PipelineStage, name, wrapped)
         for name in self.FUNCTIONAL:
             if hasattr(funcol, name):
                 original = getattr(funcol, name)
@@ -100,10 +109,14 @@ def saved_bytes(run):
     seen: dict[int, int] = {}
 
     def pack(tensor):
-        if not isinstance(tensor, nn.Parameter):
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if isinstance(tensor, nn.Parameter) or local.device.type == "meta":
+            return tensor
+        try:
             storage = local.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
+        except RuntimeError:   # a wrapper without storage (an async collective's result)
+            seen[id(local)] = local.numel() * local.element_size()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -122,8 +135,9 @@ def worker(rank: int, world: int, port: int, args, layout: list[str], result_fil
 
     toy = Path(args.toy)
     cfg = load_config("tiny", [
-        f"data.csv={toy / 'train.csv'}", "data.num_frames=8", "data.height=32", "data.width=32",
+        f"data.csv={toy / 'train.csv'}", f"data.num_frames={args.frames}", "data.height=32", "data.width=32",
         "data.frame_interval=1", f"model.preset={args.preset}", "train.batch_size=2", "train.ema_decay=0",
+        "validation.csv=null", "data.make_toy_if_missing=false",
         f"train.device={args.device}", "train.precision=fp32", *layout])
     backend = "nccl" if args.device == "cuda" else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world,
@@ -132,6 +146,9 @@ def worker(rank: int, world: int, port: int, args, layout: list[str], result_fil
     grads = []
     trainer.optimizer.register_step_pre_hook(
         lambda *_: grads.append(sum(_bytes(p.grad) for p in trainer.model.parameters() if p.grad is not None)))
+    if isinstance(trainer.train_module, DistributedDataParallel):
+        # Its reducer calls C++ directly; the same all-reduce through Python is counted.
+        trainer.train_module.register_comm_hook(None, allreduce_hook)
     batches = trainer._batches()
     trainer.train_step([next(batches)])   # warm-up: schedules, buffers, allocator
     batch = next(batches)
@@ -164,6 +181,7 @@ def main() -> None:
     parser.add_argument("--preset", default="S")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--frames", type=int, default=4, help="frames per clip (32x32 pixels, pixel latents)")
     args = parser.parse_args()
     from videodit.data.toy import make_toy_dataset
 
@@ -178,8 +196,8 @@ def main() -> None:
     mib = 2**20
     base = None
     print(f"preset {args.preset}, world {args.world}, {args.device}, fp32, batch 2 per data-parallel rank, "
-          "8x32x32 clips; per rank, largest rank shown")
-    print(f"| layout | mesh | params MiB | grads MiB | saved activations MiB | sent MiB/step | step s |")
+          f"{args.frames}x32x32 clips; per rank, largest rank shown")
+    print("| layout | mesh | params MiB | grads MiB | saved activations MiB | sent MiB/step | step s |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for name, result in results.items():
         worst = {key: max(row[key] for row in result["rows"]) for key in result["rows"][0]}

@@ -23,16 +23,28 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               parallelize_module)
 
 
-def _attention_plan(prefix: str) -> dict:
-    return {f"{prefix}.q": ColwiseParallel(), f"{prefix}.k": ColwiseParallel(),
+def _replicated_inputs(*layouts) -> PrepareModuleInput:
+    """Hand a module's tensor inputs to its column-wise projections as one replicated DTensor
+    each: the gradients of q, k and v (or fc1) then add up as partial sums and cross the
+    TP group in one all-reduce, instead of one per projection."""
+    return PrepareModuleInput(input_layouts=layouts, desired_input_layouts=layouts, use_local_output=False)
+
+
+def _attention_plan(prefix: str, inputs: tuple) -> dict:
+    return {prefix: _replicated_inputs(*inputs),
+            f"{prefix}.q": ColwiseParallel(), f"{prefix}.k": ColwiseParallel(),
             f"{prefix}.v": ColwiseParallel(), f"{prefix}.proj": RowwiseParallel()}
 
 
-BLOCK_PLAN = {**_attention_plan("attn"), **_attention_plan("cross_attn"),
-              "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+def block_plan(temporal: bool) -> dict:
+    self_attention_inputs = (Replicate(), None) if temporal else (Replicate(),)   # temporal also gets RoPE
+    return {**_attention_plan("attn", self_attention_inputs),
+            **_attention_plan("cross_attn", (Replicate(), Replicate(), None)),   # x, caption, caption mask
+            "mlp": _replicated_inputs(Replicate()), "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
 
 ROOT_PLAN = {"caption_embedder.proj.fc1": ColwiseParallel(), "caption_embedder.proj.fc2": RowwiseParallel(),
              "t_block.1": ColwiseParallel(output_layouts=Replicate())}
@@ -42,7 +54,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> list[str]:
     """Shard ``model`` over ``tp_mesh`` in place; return the names of the parameters whose
     gradients each TP rank computes only in part (see the module docstring)."""
     for block in model.blocks:
-        parallelize_module(block, tp_mesh, BLOCK_PLAN)
+        parallelize_module(block, tp_mesh, block_plan(block.temporal))
     root_plan = {name: style for name, style in ROOT_PLAN.items() if _has_module(model, name)}
     parallelize_module(model, tp_mesh, root_plan)
     return partial_gradient_names(model)
