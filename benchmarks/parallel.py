@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -39,6 +38,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
+
+from sequence_parallel import free_port   # benchmarks/ is on the path when a script runs from it
 
 LAYOUTS = {
     "fsdp": [],
@@ -167,12 +168,6 @@ def worker(rank: int, world: int, port: int, args, layout: list[str], result_fil
     if rank == 0:
         Path(result_file).write_text(json.dumps({"describe": trainer.ctx.dims.describe(), "rows": rows}))
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

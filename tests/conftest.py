@@ -18,6 +18,17 @@ def toy_dir(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def mixed_toy(tmp_path_factory):
+    """Clips of two sizes (16x16, 24x24) plus still images: bucketed batches change shape."""
+    from videodit.data.toy import make_toy_dataset
+
+    out = tmp_path_factory.mktemp("mixed")
+    make_toy_dataset(out, clips_per_combination=1, num_frames=8, sizes=[(16, 16), (24, 24)],
+                     image_fraction=0.3, seed=1)
+    return out
+
+
 def tiny_overrides(toy_dir, **extra) -> list[str]:
     """Overrides for a model and run small enough for a unit test."""
     values = {

@@ -9,7 +9,6 @@ from conftest import tiny_overrides
 from videodit.cli import main
 from videodit.config import load_config
 from videodit.data.metadata import read_metadata
-from videodit.data.toy import make_toy_dataset
 from videodit.errors import UserError
 from videodit.train import Trainer
 
@@ -42,15 +41,6 @@ def test_metadata_names_all_missing_columns(tmp_path):
 
 
 BUCKETS = "{'24px': {1: [1.0, 4], 4: [1.0, 4]}, '16px': {1: [1.0, 4], 4: [1.0, 4]}}"
-
-
-@pytest.fixture(scope="module")
-def mixed_toy(tmp_path_factory):
-    """Two clip sizes plus still images: lands in 2 resolutions x (image, video) buckets."""
-    out = tmp_path_factory.mktemp("mixed")
-    make_toy_dataset(out, clips_per_combination=1, num_frames=8, sizes=[(16, 16), (24, 24)],
-                     image_fraction=0.3, seed=1)
-    return out
 
 
 def test_bucketed_training_uses_every_bucket_shape(mixed_toy, tmp_path):

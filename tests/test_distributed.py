@@ -111,17 +111,6 @@ def test_four_processes_hsdp_and_sp_times_dp(toy_dir, tmp_path):
 BUCKETS = "{'24px': {1: [1.0, 2], 4: [1.0, 2]}, '16px': {1: [1.0, 2], 4: [1.0, 2]}}"
 
 
-@pytest.fixture(scope="module")
-def mixed_toy(tmp_path_factory):
-    """Clips of two sizes plus still images: batches change shape from step to step."""
-    from videodit.data.toy import make_toy_dataset
-
-    out = tmp_path_factory.mktemp("mixed")
-    make_toy_dataset(out, clips_per_combination=1, num_frames=8, sizes=[(16, 16), (24, 24)],
-                     image_fraction=0.3, seed=1)
-    return out
-
-
 def bucketed(toy_dir, **extra):
     """Two blocks pairs (four stages for an interleaved schedule), bucketed batches of 2."""
     return base(toy_dir, **{"model.depth": 2, "data.bucket_config": BUCKETS, **extra})
