@@ -37,7 +37,7 @@ def test_yaml_file_round_trip(tmp_path):
     ("model.preset=XXL", "model.preset='XXL' is not allowed; choose one of: tiny, S, B, XL"),
     ("train.precision=fp8", "choose one of: auto, fp32, bf16"),
     ("model.num_heads=5", "model.num_heads=5 does not divide model.hidden_size=128"),
-    ("train.activation_checkpointing=maybe", "must be true or false"),
+    ("memory.checkpointing=maybe", "memory.checkpointing"),
     ("model.patch_size=[1,2]", "model.patch_size must have 3 entries"),
     ("vae.kind=diffusers", "vae.path is required for vae.kind=diffusers"),
     ("train", "must look like key.sub=value"),

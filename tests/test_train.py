@@ -56,18 +56,19 @@ def test_resumed_run_continues_with_the_same_losses(toy_dir, tmp_path):
 
 def test_gradient_accumulation_and_checkpointing_run(toy_dir, tmp_path):
     run = tmp_path / "run"
-    overrides = tiny_overrides(toy_dir, **{"train.grad_accum": 2, "train.activation_checkpointing": True,
+    overrides = tiny_overrides(toy_dir, **{"train.grad_accum": 2, "memory.checkpointing": "full",
                                            "train.max_steps": 2, "train.sample_every": 1})
     assert main(["train", "--out", str(run), *overrides]) == 0
     assert len(losses(run)) == 2
     assert (run / "samples" / "step-0000001").is_dir()
 
 
-def test_activation_checkpointing_gives_the_same_gradients(toy_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_gives_the_same_gradients(toy_dir, tmp_path, mode):
     import torch
 
     def grads(ac):
-        cfg = load_config("tiny", tiny_overrides(toy_dir, **{"train.activation_checkpointing": ac,
+        cfg = load_config("tiny", tiny_overrides(toy_dir, **{"memory.checkpointing": mode if ac else "none",
                                                             "train.seed": 1}))
         trainer = Trainer(cfg, tmp_path / f"ac{ac}")
         torch.nn.init.normal_(trainer.model.final_layer.proj.weight, std=0.02)

@@ -75,6 +75,9 @@ class DiffusionConfig:
     shift_scale: float = opt(1.0, "extra multiplier on the shift ratio", min=0.0)
     prediction: str = opt("velocity", "what the model outputs: velocity (Open-Sora) or data (x0, turned "
                           "into a velocity; learns faster in pixel space)", choices=("velocity", "data"))
+    loss_space: str = opt("velocity", "where the MSE is taken: velocity (Open-Sora) or data (the x0 error, "
+                          "i.e. the velocity error weighted by t^2, so high-noise steps that decide layout "
+                          "and motion are not drowned by low-noise ones)", choices=("velocity", "data"))
     caption_dropout: float = opt(0.1, "probability of training on the null caption (enables CFG)",
                                  min=0.0, max=1.0)
 
@@ -141,12 +144,27 @@ class TrainConfig:
     ema_decay: float = opt(0.99, "EMA decay per step (0 disables EMA)", min=0.0, max=1.0)
     precision: str = opt("auto", "auto (bf16 autocast on GPU, fp32 on CPU), fp32 or bf16",
                          choices=("auto", "fp32", "bf16"))
-    activation_checkpointing: bool = opt(False, "recompute block activations in backward")
     device: str = opt("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
     threads: int = opt(0, "torch CPU threads (0 = torch default)", min=0)
     deterministic: bool = opt(False, "use deterministic algorithms (bitwise-reproducible on CPU)")
     log_every: int = opt(10, "steps between metrics lines", min=1)
     sample_every: int = opt(0, "steps between sample videos (0 = only at the end)", min=0)
+
+
+@dataclass
+class MemoryConfig:
+    checkpointing: str = opt("none", "activation checkpointing of transformer blocks: none, full (keep only each "
+                             "block's input, recompute the rest) or selective (keep matmul and attention "
+                             "outputs, recompute norms, modulation and activations)",
+                             choices=("none", "full", "selective"))
+    checkpoint_every: int = opt(1, "checkpoint every n-th block (1 = every block)", min=1)
+    checkpoint_fraction: float = opt(1.0, "checkpoint this fraction of the blocks, the first ones (after "
+                                     "checkpoint_every)", min=0.0, max=1.0)
+    offload: bool = opt(False, "copy tensors saved for backward in blocks that are not checkpointed to pinned "
+                        "host memory on a side stream, and back in backward (CUDA; a no-op on CPU)")
+    compression: str = opt("none", "store floating-point tensors saved for backward in blocks that are not "
+                           "checkpointed as bf16 or fp8 (e4m3, per-tensor scale): lossy, less memory",
+                           choices=("none", "bf16", "fp8"))
 
 
 @dataclass
@@ -224,6 +242,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     resume: Optional[str] = opt(None, "auto (newest checkpoint in the run folder) or a checkpoint path")
 
@@ -289,7 +308,7 @@ def _set_dotted(raw: dict, key: str, value: Any) -> None:
 
 
 def from_dict(raw: dict) -> Config:
-    cfg = _build(Config, _apply_parallel_aliases(raw), prefix="")
+    cfg = _build(Config, _apply_memory_aliases(_apply_parallel_aliases(raw)), prefix="")
     cfg.model = cfg.model.resolved()
     _check_consistency(cfg)
     return cfg
@@ -321,6 +340,30 @@ def _apply_parallel_aliases(raw: dict) -> dict:
         section[key] = value
     if moved:
         raw["parallel"] = section
+    return raw
+
+
+def _apply_memory_aliases(raw: dict) -> dict:
+    """Open-Sora's top-level ``grad_checkpoint`` and the earlier ``train.activation_checkpointing``
+    (still in older runs' config.yaml): true/false is ``memory.checkpointing: full/none``."""
+    raw = dict(raw)
+    train = dict(raw["train"]) if isinstance(raw.get("train"), dict) else None
+    moved = {}
+    if "grad_checkpoint" in raw:
+        moved["grad_checkpoint"] = raw.pop("grad_checkpoint")
+    if train is not None and "activation_checkpointing" in train:
+        moved["train.activation_checkpointing"] = train.pop("activation_checkpointing")
+        raw["train"] = train
+    for name, value in moved.items():
+        if not isinstance(value, bool):
+            raise UserError(f"{name}={value!r} must be true or false (or set memory.checkpointing)")
+        section = dict(raw.get("memory") or {})
+        implied = "full" if value else "none"
+        if section.get("checkpointing", implied) != implied:
+            raise UserError(f"memory.checkpointing={section['checkpointing']!r} conflicts with {name}="
+                            f"{str(value).lower()}; set one of them")
+        section["checkpointing"] = implied
+        raw["memory"] = section
     return raw
 
 

@@ -239,7 +239,7 @@ class Trainer:
             pt, ph, pw = model.geometry.patch_size
             costs = block_costs(model, -(-frames // pt), -(-height // ph) * -(-width // pw),
                                 cfg.text.max_length, cfg.parallel.pp_split)
-        return parallelize(model, self.ctx, cfg.parallel, activation_checkpointing=cfg.train.activation_checkpointing,
+        return parallelize(model, self.ctx, cfg.parallel, memory=cfg.memory,
                            param_dtype=self.autocast_dtype, pipeline_loss=velocity_mse(model.geometry, self.flow),
                            block_costs=costs)
 

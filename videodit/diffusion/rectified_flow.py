@@ -72,8 +72,14 @@ class RectifiedFlow:
 
     def loss(self, output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
              target_velocity: torch.Tensor) -> torch.Tensor:
-        """The training loss: mean squared error of the output's velocity, in fp32."""
-        return F.mse_loss(self.model_velocity(output.float(), x_t, t), target_velocity.float())
+        """The training loss in fp32: the mean squared error of the output's velocity, or with
+        ``loss_space="data"`` of the clean sample it implies, ``x0 = x_t - t * v``. The two differ
+        by a factor t^2 per sample; with data prediction the velocity loss weighs a sample at
+        t=0.1 81 times more than one at t=0.9."""
+        error = self.model_velocity(output.float(), x_t, t) - target_velocity.float()
+        if self.cfg.loss_space == "data":
+            error = error * t.view(-1, *([1] * (error.dim() - 1))).float()
+        return error.square().mean()
 
     def sample(self, velocity: VelocityFn, noise: torch.Tensor, steps: int, ratio: float = 1.0,
                guidance: float = 1.0, uncond_velocity: VelocityFn | None = None) -> torch.Tensor:

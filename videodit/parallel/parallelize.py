@@ -1,6 +1,6 @@
 """Apply parallelism to a DiT from outside, in order: pipeline stages, tensor parallel,
-sequence parallel, activation checkpointing, then data parallel (DDP, or FSDP2 per block
-and at each root).
+sequence parallel, the activation-memory levers (checkpointing, offload, compression), then
+data parallel (DDP, or FSDP2 per block and at each root).
 
 ``parallelize`` returns a :class:`ParallelModel`. Its ``local_model`` holds this rank's
 parameters under their names in the whole model (FSDP2 and TP shard in place; pipeline
@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from videodit.config import ParallelConfig
-from videodit.memory.activation import apply_activation_checkpointing
+from videodit.config import MemoryConfig, ParallelConfig
+from videodit.memory.levers import apply_memory_levers
 from videodit.parallel.distributed import DistContext
 from videodit.parallel.gradients import clip_gradients, sum_partial_gradients
 from videodit.parallel.pipeline import Pipeline, build_pipeline
@@ -43,7 +43,7 @@ class ParallelModel:
         return clip_gradients(self.local_model.parameters(), max_norm, pp_group)
 
 
-def parallelize(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *, activation_checkpointing: bool,
+def parallelize(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *, memory: MemoryConfig,
                 param_dtype: torch.dtype | None, pipeline_loss: Callable | None = None,
                 block_costs: Sequence[float] | None = None) -> ParallelModel:
     """With ``parallel.pp > 1``: ``pipeline_loss(output_patches, target)`` is the last stage's
@@ -61,8 +61,7 @@ def parallelize(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *, acti
     partial = apply_tensor_parallel(model, ctx.meshes["tp"]) if dims.tp > 1 else []
     if dims.sp > 1:
         apply_sequence_parallel(model, ctx.group("sp"))
-    if activation_checkpointing:
-        apply_activation_checkpointing(model)
+    apply_memory_levers(model, memory)
     module = model
     if dims.data_parallel in ("fsdp", "hsdp"):
         apply_fsdp(model, stages, ctx, cfg, param_dtype=param_dtype)

@@ -1,0 +1,207 @@
+"""The memory planner against measurement, and the plan/tune commands.
+
+Measurement: one training step of the real Trainer under ``LiveMemory`` (every tensor
+storage created and still alive), fp32 on CPU. The planner must agree within 10% on
+activations, parameters, gradients and optimizer state.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import tiny_overrides
+from videodit.cli import main
+from videodit.config import load_config
+from videodit.memory.estimate import Shape, block_activation_bytes, Parallel, Precision
+from videodit.memory.measure import LiveMemory, measure_trainer, synthetic_batch
+from videodit.memory.plan import LatentGeometry, planner_from_config
+from videodit.memory.report import parse_bytes
+from videodit.memory.tune import search_max_batch
+from videodit.train import Trainer
+
+TOLERANCE = 0.10
+CATEGORIES = ("activations", "params", "grads", "optimizer")
+WORKER = Path(__file__).parent / "distributed" / "memory_worker.py"
+
+
+def preset_overrides(toy_dir, preset: str, **extra) -> list[str]:
+    """The unit-test run settings with the model preset's real geometry (not the test's tiny one)."""
+    return [o for o in tiny_overrides(toy_dir, **{"model.preset": preset, "train.precision": "fp32", **extra})
+            if not o.startswith(("model.depth", "model.hidden_size", "model.num_heads", "model.patch_size"))]
+
+
+def assert_close(measured: dict, predicted: dict, label: str) -> None:
+    for key in CATEGORIES:
+        ratio = predicted[key] / measured[key]
+        assert abs(ratio - 1) <= TOLERANCE, f"{label}: {key} predicted/measured = {ratio:.3f}"
+
+
+# (preset, extra overrides, (batch, frames, height, width)) on one process
+SINGLE = {
+    "tiny-video": ("tiny", {}, (4, 8, 16, 16)),
+    "tiny-video-full-checkpointing": ("tiny", {"memory.checkpointing": "full"}, (4, 8, 16, 16)),
+    "tiny-image": ("tiny", {}, (8, 1, 32, 32)),
+    "tiny-video-selective-every-2": ("tiny", {"memory.checkpointing": "selective", "memory.checkpoint_every": 2},
+                                     (4, 8, 16, 16)),
+    "S-video": ("S", {}, (2, 8, 32, 32)),
+    "S-image-full-checkpointing": ("S", {"memory.checkpointing": "full"}, (4, 1, 64, 48)),
+}
+
+
+@pytest.mark.parametrize("name", SINGLE)
+def test_planner_matches_measurement_on_one_process(name, toy_dir, tmp_path):
+    preset, extra, (batch, frames, height, width) = SINGLE[name]
+    cfg = load_config("tiny", preset_overrides(toy_dir, preset, **extra))
+    trainer = Trainer(cfg, tmp_path / "run")
+    measured = measure_trainer(trainer, synthetic_batch(batch, frames, height, width)).as_dict()
+    predicted = planner_from_config(cfg, gpu_bytes=1).estimate(batch, frames, height, width).as_dict()
+    assert_close(measured, predicted, name)
+    # Peak: the prediction is an upper bound (it adds the categories), but not a loose one.
+    assert measured["peak"] <= predicted["activations"] + predicted["temporaries"] + predicted["grads"] \
+        + predicted["optimizer"]
+
+
+def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_planner_matches_measurement_with_sequence_parallel(checkpointing, toy_dir):
+    overrides = preset_overrides(toy_dir, "tiny", **{"parallel.sp": 2, "memory.checkpointing": checkpointing})
+    spec = json.dumps({"overrides": overrides, "shape": [4, 8, 16, 16]})
+    result = torchrun(2, str(WORKER), spec)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 2
+    for report in reports:
+        assert_close(report["measured"], report["predicted"], f"sp=2 rank {report['rank']}")
+
+
+def test_live_memory_sees_only_new_storages():
+    import torch
+    weight = torch.randn(64, 64)
+    with LiveMemory() as tracker:
+        view = weight.t()                      # a view of existing memory: nothing new
+        assert tracker.live == 0
+        product = view @ torch.ones(64, 8)     # two new tensors, one freed right away
+        assert tracker.live == product.untyped_storage().nbytes()
+        del product
+        assert tracker.live == 0
+    assert tracker.peak >= 64 * 8 * 4 * 2
+
+
+def test_checkpointing_levers_order_the_activation_bytes():
+    from videodit.models.dit import DiTGeometry
+    g = DiTGeometry(in_channels=4, caption_channels=64, caption_length=8, depth=2, hidden_size=128, num_heads=4)
+    args = (g, 4096, 4, 8, Parallel(), Precision())
+    plain, selective, full = (block_activation_bytes(*args, mode=m) for m in ("none", "selective", "full"))
+    assert full < selective < plain
+    assert block_activation_bytes(*args, mode="none", compression="fp8") == pytest.approx(plain / 4)
+    tp2 = block_activation_bytes(g, 4096, 4, 8, Parallel(tp=2), Precision())
+    assert plain / 2 < tp2 < plain
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def test_plan_json_lists_every_bucket_and_fits_the_budget(toy_dir, capsys):
+    overrides = preset_overrides(toy_dir, "tiny", **{"data.bucket_config": "{24px: {1: [1.0, 16], 8: [1.0, 16]}, "
+                                                                           "16px: {8: [1.0, 32]}}"})
+    assert main(["plan", *overrides, "--gpu-mem", "2GiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"]["num_params"] > 1_000_000
+    rows = {(b["resolution"], b["num_frames"]): b for b in out["buckets"]}
+    assert set(rows) == {("24px", 1), ("24px", 8), ("16px", 8)}
+    for b in rows.values():
+        assert 0 < b["predicted_peak_bytes"] <= 0.9 * 2 * 2**30
+        assert b["max_batch_size"] >= 1
+    # More tokens per sample: fewer samples fit.
+    assert rows[("24px", 8)]["max_batch_size"] < rows[("24px", 1)]["max_batch_size"]
+
+
+def test_plan_names_the_cheapest_fix_and_writes_a_loadable_bucket_config(toy_dir, tmp_path, capsys):
+    out_file = tmp_path / "buckets.yaml"
+    overrides = preset_overrides(toy_dir, "S", **{"data.bucket_config": "{64px: {8: [1.0, 4]}, 16px: {8: [1.0, 4]}}"})
+    assert main(["plan", *overrides, "--gpu-mem", "3GiB", "--write-bucket-config", str(out_file)]) == 0
+    table = capsys.readouterr().out
+    assert "does not fit at batch 1; try memory.checkpointing=full (all blocks)" in table
+    written = yaml.safe_load(out_file.read_text())["bucket_config"]
+    assert written["64px"][8] == [0.0, None]           # switched off: nothing fits
+    assert written["16px"][8][1] >= 1
+    cfg = load_config("tiny", [*overrides[:1], f"data.bucket_config_file={out_file}"])
+    assert cfg.data.bucket_config_file == str(out_file)
+
+
+def test_plan_equal_step_time_gives_short_clips_bigger_batches(toy_dir, capsys):
+    overrides = preset_overrides(toy_dir, "tiny", **{"data.bucket_config": "{16px: {1: [1.0, 8], 8: [1.0, 8]}, "
+                                                                           "24px: {8: [1.0, 8]}}"})
+    assert main(["plan", *overrides, "--gpu-mem", "1GiB", "--json", "--equal-step-time"]) == 0
+    rows = {(b["resolution"], b["num_frames"]): b for b in json.loads(capsys.readouterr().out)["buckets"]}
+    assert rows[("16px", 1)]["batch_size"] > rows[("16px", 8)]["batch_size"] > rows[("24px", 8)]["batch_size"]
+    flops = [b["step_flops"] for b in rows.values()]
+    assert max(flops) / min(flops) < 1.15                       # about equal work per step
+    assert all(b["batch_size"] <= b["max_batch_size"] for b in rows.values())
+
+
+def test_xl_stage1_plan_runs_with_opensora_geometry(capsys):
+    assert main(["plan", "opensora-v1.2-stage1", "--gpu-mem", "80GiB", "--latent", "opensora-v1.2",
+                 "--caption", "4096,300", "--encoder-mem", "10GB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 1.0e9 < out["model"]["num_params"] < 1.3e9
+    assert {b["resolution"] for b in out["buckets"]} >= {"144p", "240p", "360p", "2048"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpu-mem", "80 gigs"], "memory size '80 gigs' is not understood"),
+    (["--gpu-mem", "80GiB", "--latent", "4,8"], "--latent '4,8' must be opensora-v1.2 or three integers"),
+    (["--gpu-mem", "80GiB", "--caption", "4096"], "--caption '4096' must be two integers"),
+    (["--gpu-mem", "80GiB", "--margin", "1.5"], "--margin 1.5 must be in [0, 1)"),
+    (["--gpu-mem", "80GiB", "vae.kind=diffusers", "vae.path=/x"], "give the latent geometry with --latent"),
+])
+def test_plan_bad_input_is_one_line(argv, message, capsys):
+    assert main(["plan", "tiny", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_tune_without_gpu_says_so(capsys):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: tune would run")
+    assert main(["tune", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "videodit tune measures on a CUDA GPU and none is visible" in err and "videodit plan" in err
+
+
+def test_parse_bytes_units():
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("1536 MiB") == 1536 * 2**20
+    assert parse_bytes("1024") == 1024
+
+
+def test_latent_geometry_follows_opensora_chunks():
+    vae = LatentGeometry.parse("opensora-v1.2")
+    assert [vae.frames(n) for n in (1, 17, 51, 102)] == [1, 5, 15, 30]
+    assert LatentGeometry.parse("4,4,8").frames(51) == 13
+
+
+@pytest.mark.parametrize("capacity", [0, 1, 5, 37, 4096, 10**6])
+@pytest.mark.parametrize("start", [1, 8, 100])
+def test_tune_search_finds_the_largest_fitting_batch(capacity, start):
+    tried = []
+
+    def fits(batch):
+        tried.append(batch)
+        return batch <= capacity
+
+    assert search_max_batch(fits, start=start, limit=4096) == min(capacity, 4096)
+    assert len(tried) <= 2 * 13 + 2          # doubling then bisection: logarithmic
+    assert search_max_batch(lambda b: b <= capacity, start=start, multiple=4) == min(capacity, 4096) // 4 * 4

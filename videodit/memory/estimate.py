@@ -1,0 +1,288 @@
+"""Predict one GPU's training memory for one micro-batch shape, without running anything.
+
+The model (derived in ``docs/memory.md``, checked against :mod:`videodit.memory.measure`):
+
+* **Model state** from the exact parameter count (the model is built on the meta device):
+  fp32 weights, fp32 gradients, AdamW's two fp32 moments and the fp32 EMA, each divided by
+  the ranks that share it: pipeline stages and tensor-parallel ranks split the blocks,
+  FSDP shards everything over ``dp_shard x sp`` ranks.
+* **Activations**: what every transformer block keeps for backward, per token, from a
+  table of the tensors autograd saves (:data:`BLOCK_SAVED`), plus the embedding, final
+  layer and loss. Sequence parallelism divides the tokens, tensor parallelism the heads
+  and the MLP width; checkpointing, compression and offload change what a block keeps.
+* **Temporaries**: the largest transient of backward (one block's activation gradients,
+  one recomputed block under checkpointing), the weights FSDP gathers for the blocks in
+  flight, and autocast's low-precision weight copies when nothing shards.
+* **Frozen encoders**: their weight bytes, unless features are cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from videodit.config import Config, MemoryConfig
+from videodit.memory.activation import chosen_blocks
+from videodit.models.dit import DiTGeometry, STDiT
+
+GiB = 1024**3
+FP32 = 4
+
+# What autograd keeps per token inside one block, in units of the hidden size D ("D") or the
+# MLP width M ("M"). ``low``: in the compute dtype (bf16 under autocast), else always fp32.
+# ``tp``: split over tensor-parallel ranks (per-head or per-MLP-column tensors).
+# ``selective``: kept by selective checkpointing (outputs of matmuls and attention kernels).
+
+
+@dataclass(frozen=True)
+class Saved:
+    what: str
+    units: float
+    per: str                 # "D" or "M"
+    low: bool
+    tp: bool
+    selective: bool
+
+
+BLOCK_SAVED: tuple[Saved, ...] = (
+    # self-attention (spatial or temporal)
+    Saved("block input (residual stream)", 1, "D", False, False, True),
+    Saved("norm1 output (for the adaLN scale gradient)", 1, "D", False, False, False),
+    Saved("modulated input of q/k/v", 1, "D", True, False, False),
+    Saved("q, k before QK-norm", 2, "D", True, True, True),
+    Saved("q, k normalised (before the norm weight)", 2, "D", False, True, False),
+    Saved("q, k after QK-norm (and RoPE), attention inputs", 2, "D", True, True, False),
+    Saved("v", 1, "D", True, True, True),
+    Saved("attention output", 1, "D", True, True, True),
+    Saved("attention output with heads merged (proj input)", 1, "D", True, True, False),
+    Saved("output projection (for the gate gradient)", 1, "D", True, False, True),
+    # cross-attention
+    Saved("residual after self-attention (q input)", 1, "D", True, False, False),
+    Saved("cross q", 1, "D", True, True, True),
+    Saved("cross attention output (proj input)", 1, "D", True, True, True),
+    Saved("cross output projection (kept only by selective)", 0, "D", True, False, True),
+    # MLP
+    Saved("residual after cross-attention (norm2 input)", 1, "D", False, False, False),
+    Saved("norm2 output", 1, "D", False, False, False),
+    Saved("modulated input of fc1", 1, "D", True, False, False),
+    Saved("fc1 output (GELU input)", 1, "M", True, True, True),
+    Saved("GELU output (fc2 input)", 1, "M", True, True, False),
+    Saved("fc2 output (for the gate gradient)", 1, "D", True, False, True),
+)
+# Selective checkpointing also keeps the cross-attention projection (a matmul output).
+_SELECTIVE_EXTRA_D = 1
+
+
+@dataclass(frozen=True)
+class Parallel:
+    sp: int = 1
+    tp: int = 1
+    pp: int = 1
+    shard: int = 1           # FSDP shard group (dp_shard x sp); 1 = replicated (DDP / one GPU)
+    microbatches: int = 1    # pipeline micro-batches per batch
+    in_flight: int = 1       # micro-batches whose activations the first stage holds at once
+    cpu_offload: bool = False
+
+
+@dataclass(frozen=True)
+class Precision:
+    bf16: bool = False
+
+    @property
+    def low_bytes(self) -> int:
+        return 2 if self.bf16 else FP32
+
+
+@dataclass
+class ModelCounts:
+    num_params: int
+    block_params: int        # all transformer blocks together
+    depth_blocks: int        # spatial + temporal blocks
+
+    @property
+    def other_params(self) -> int:
+        return self.num_params - self.block_params
+
+
+def count_model(geometry: DiTGeometry, model: STDiT | None = None) -> ModelCounts:
+    """Exact parameter counts, from the model built on the meta device (no memory, no time)."""
+    if model is None:
+        with torch.device("meta"):
+            model = STDiT(geometry)
+    blocks = sum(p.numel() for b in model.blocks for p in b.parameters())
+    return ModelCounts(sum(p.numel() for p in model.parameters()), blocks, len(model.blocks))
+
+
+@dataclass
+class Shape:
+    """One micro-batch on one GPU, in latent space."""
+    batch: int
+    latent_frames: int
+    latent_height: int
+    latent_width: int
+    latent_channels: int
+    caption_length: int
+
+    def tokens(self, geometry: DiTGeometry) -> int:
+        """Tokens per sample: T' x H' x W' after patching (padded up, as the model pads)."""
+        pt, ph, pw = geometry.patch_size
+        return (math.ceil(self.latent_frames / pt) * math.ceil(self.latent_height / ph)
+                * math.ceil(self.latent_width / pw))
+
+    @property
+    def latent_elements(self) -> int:
+        return self.batch * self.latent_channels * self.latent_frames * self.latent_height * self.latent_width
+
+
+@dataclass
+class Estimate:
+    """Bytes per GPU by category; ``peak`` is their sum."""
+    params: int
+    grads: int
+    optimizer: int
+    ema: int
+    activations: int
+    temporaries: int
+    encoders: int
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def peak(self) -> int:
+        return (self.params + self.grads + self.optimizer + self.ema + self.activations + self.temporaries
+                + self.encoders)
+
+    def as_dict(self) -> dict:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "ema": self.ema,
+                "activations": self.activations, "temporaries": self.temporaries, "encoders": self.encoders,
+                "peak": self.peak}
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def block_activation_bytes(geometry: DiTGeometry, tokens: int, batch: int, caption_length: int,
+                           parallel: Parallel, precision: Precision, mode: str = "none",
+                           compression: str = "none") -> float:
+    """Bytes one block keeps for backward, for ``tokens`` tokens on this rank.
+
+    ``mode`` is the block's checkpointing: ``none`` keeps :data:`BLOCK_SAVED`, ``full`` only
+    the block input, ``selective`` the matmul and attention outputs.
+    """
+    d, m, heads, tp = geometry.hidden_size, int(geometry.hidden_size * geometry.mlp_ratio), geometry.num_heads, parallel.tp
+    if mode == "full":
+        return tokens * d * FP32
+    total = 0.0
+    for saved in BLOCK_SAVED:
+        if mode == "selective" and not saved.selective:
+            continue
+        width = (d if saved.per == "D" else m) / (tp if saved.tp else 1)
+        units = saved.units + (_SELECTIVE_EXTRA_D if mode == "selective" and saved.units == 0 else 0)
+        total += units * tokens * width * (precision.low_bytes if saved.low else FP32)
+    # Per token: LayerNorm mean/rstd (2 norms), QK-norm rstd (q, k per head), two attention logsumexps.
+    total += tokens * (4 + 4 * heads / tp) * FP32
+    # Per sample: cross-attention keys and values of the caption.
+    total += batch * 2 * caption_length * d / tp * precision.low_bytes
+    if mode == "none" and compression != "none":
+        total *= {"bf16": 0.5 if not precision.bf16 else 1.0, "fp8": 0.25 if not precision.bf16 else 0.5}[compression]
+    return total
+
+
+def activation_bytes(geometry: DiTGeometry, shape: Shape, parallel: Parallel, precision: Precision,
+                     memory: MemoryConfig, num_blocks: int) -> tuple[int, dict]:
+    """Everything forward keeps until backward, on the rank with the most of it."""
+    if parallel.pp > 1:   # one micro-batch at a time, several in flight
+        shape = dataclasses.replace(shape, batch=max(1, shape.batch // parallel.microbatches))
+    tokens = shape.batch * shape.tokens(geometry) // parallel.sp
+    blocks_here = math.ceil(num_blocks / parallel.pp)
+    checkpointed = set(chosen_blocks(num_blocks, memory.checkpoint_every, memory.checkpoint_fraction)
+                       if memory.checkpointing != "none" else [])
+    args = (geometry, tokens, shape.batch, shape.caption_length, parallel, precision)
+    per_block = {mode: block_activation_bytes(*args, mode=mode, compression=memory.compression)
+                 for mode in ("none", "full", "selective")}
+    # The first pipeline stage holds the most: its blocks are 0 .. blocks_here-1.
+    modes = [memory.checkpointing if i in checkpointed else "none" for i in range(blocks_here)]
+    kept_blocks = sum(per_block[mode] for mode in modes)
+    offloaded = 0.0
+    if memory.offload:
+        # Offloaded blocks keep nothing on the GPU once their copies finish; count one in flight.
+        plain = [i for i, mode in enumerate(modes) if mode == "none"]
+        offloaded = per_block["none"] * max(0, len(plain) - 1)
+        kept_blocks -= offloaded
+    # Outside the blocks, on the whole token grid even under SP (the grid is split before the
+    # first block and gathered after the last): the final layer's norm and modulation (2 D per
+    # token), the gathered block output under SP, and about five latent-sized tensors (input,
+    # patch output, unpatchified output, velocity, error).
+    d = geometry.hidden_size
+    all_tokens = shape.batch * shape.tokens(geometry)
+    gathered = all_tokens * d * FP32 if parallel.sp > 1 else 0
+    outside = all_tokens * (2 * d + 2) * FP32 + gathered + 5 * shape.latent_elements * FP32
+    in_flight = parallel.in_flight if parallel.pp > 1 else 1
+    total = int((kept_blocks + outside) * in_flight)
+    return total, {"per_block_plain": int(per_block["none"]), "per_block_full": int(per_block["full"]),
+                   "per_block_selective": int(per_block["selective"]), "blocks_on_rank": blocks_here,
+                   "checkpointed_blocks": sum(1 for mode in modes if mode != "none"),
+                   "offloaded_bytes": int(offloaded * in_flight), "tokens_per_rank": tokens}
+
+
+# --------------------------------------------------------------------------- the whole GPU
+
+
+def local_params(counts: ModelCounts, parallel: Parallel) -> float:
+    """Parameters on one rank: blocks split over stages and TP ranks, then FSDP shards."""
+    return (counts.block_params / parallel.pp / parallel.tp + counts.other_params) / parallel.shard
+
+
+def estimate(geometry: DiTGeometry, shape: Shape, *, parallel: Parallel = Parallel(),
+             precision: Precision = Precision(), memory: MemoryConfig = MemoryConfig(),
+             ema: bool = True, encoder_bytes: int = 0, counts: ModelCounts | None = None) -> Estimate:
+    counts = counts or count_model(geometry)
+    n_local = local_params(counts, parallel)
+    on_gpu = 0.0 if parallel.cpu_offload else 1.0
+    params = int(n_local * FP32 * on_gpu)
+    grads = params
+    optimizer = 2 * params
+    ema_bytes = params if ema else 0
+
+    activations, detail = activation_bytes(geometry, shape, parallel, precision, memory, counts.depth_blocks)
+
+    # Temporaries of backward: the gradients flowing through one block (about one plain
+    # block's worth of activation-sized buffers at the MLP), one recomputed block when
+    # checkpointing, and gathered weights.
+    block_weights = counts.block_params / counts.depth_blocks / parallel.tp
+    temporaries = 0.5 * detail["per_block_plain"]
+    if memory.checkpointing != "none":
+        temporaries += detail["per_block_plain"] if memory.checkpointing == "full" else 0.5 * detail["per_block_plain"]
+    if parallel.shard > 1 or parallel.cpu_offload:
+        # FSDP gathers the current and the prefetched block, and their unsharded gradients.
+        temporaries += 2 * block_weights * (precision.low_bytes + FP32)
+    elif precision.bf16:
+        # autocast keeps a bf16 copy of every weight it used until backward is done.
+        temporaries += n_local * 2
+    detail.update(num_params=counts.num_params, params_per_gpu=int(n_local))
+    return Estimate(params, grads, optimizer, ema_bytes, activations, int(temporaries), encoder_bytes, detail)
+
+
+# --------------------------------------------------------------------------- from a config
+
+
+def parallel_from_config(cfg: Config, world_size: int | None = None) -> Parallel:
+    """The layout the Trainer would build on ``world_size`` GPUs (default: the product of the
+    configured sizes), with its sizes checked the same way."""
+    from videodit.parallel.dims import ParallelDims
+    p = cfg.parallel
+    world = world_size or p.dp_replicate * max(p.dp_shard, 1) * p.sp * p.tp * p.pp
+    dims = ParallelDims.from_config(p, world)
+    shard = dims.dp_shard * dims.sp if dims.data_parallel in ("fsdp", "hsdp") else 1
+    microbatches = p.pp_microbatches or p.pp
+    # GPipe runs every forward before any backward; 1F1B keeps at most pp micro-batches alive.
+    in_flight = microbatches if p.pp_schedule == "gpipe" else min(p.pp, microbatches)
+    return Parallel(sp=p.sp, tp=p.tp, pp=p.pp, shard=shard, microbatches=microbatches, in_flight=in_flight,
+                    cpu_offload=p.cpu_offload and shard > 1)
+
+
+def precision_from_config(cfg: Config, device: str = "cuda") -> Precision:
+    precision = cfg.train.precision
+    return Precision(bf16=precision == "bf16" or (precision == "auto" and device == "cuda"))

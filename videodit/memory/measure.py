@@ -1,0 +1,117 @@
+"""Measure tensor memory on any device, CPU included: the ruler the planner is checked with.
+
+:class:`LiveMemory` is a ``TorchDispatchMode`` that sees every tensor an op creates while
+it is active and keeps a weak reference to its storage. "Live" bytes are those of storages
+created under the mode that are still alive; the peak is taken after every op. Unlike
+``saved_tensors_hooks`` it also sees what non-reentrant activation checkpointing keeps
+(the checkpointed block's inputs) and the temporaries of backward. On CUDA,
+``torch.cuda.max_memory_allocated`` is the ground truth; this is what CPU tests have.
+
+:func:`measure_step` runs one forward/backward/optimizer step and splits the memory the
+way the planner predicts it: parameters, gradients, optimizer state, activations (held
+from the end of forward until backward starts) and the peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class LiveMemory(TorchDispatchMode):
+    """Bytes of storages created by ops under this mode that are still alive, and their peak."""
+
+    def __init__(self):
+        super().__init__()
+        self._storages: dict[StorageWeakRef, int] = {}
+        self.peak = 0
+
+    @property
+    def live(self) -> int:
+        for ref in [ref for ref in self._storages if ref.expired()]:
+            del self._storages[ref]
+        return sum(self._storages.values())
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # A view shares its input's storage: parameters seen through ``.t()`` are not new memory.
+        inputs = {StorageWeakRef(t.untyped_storage()) for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                ref = StorageWeakRef(tensor.untyped_storage())
+                if ref not in inputs:
+                    self._storages.setdefault(ref, tensor.untyped_storage().nbytes())
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+@dataclass
+class StepMemory:
+    params: int
+    grads: int
+    optimizer: int
+    activations: int    # held between the end of forward and the start of backward
+    peak: int           # everything the step allocated at its worst moment, parameters excluded
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of distinct storages among ``tensors`` (the local shard of a DTensor)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return tensor_bytes(v for state in optimizer.state.values() for v in state.values()
+                        if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def measure_step(model: torch.nn.Module, forward_loss: Callable[[], torch.Tensor],
+                 optimizer: torch.optim.Optimizer) -> StepMemory:
+    """One training step under :class:`LiveMemory`. ``forward_loss`` runs the forward and
+    returns the scalar loss; gradients and optimizer state are created by this step (the
+    optimizer must not have stepped yet)."""
+    params = list(model.parameters())
+    for p in params:
+        p.grad = None
+    with LiveMemory() as tracker:
+        loss = forward_loss()
+        activations = tracker.live
+        loss.backward()
+        del loss
+        optimizer.step()
+    grads = tensor_bytes(p.grad for p in params)
+    return StepMemory(params=tensor_bytes(params), grads=grads, optimizer=optimizer_bytes(optimizer),
+                      activations=activations, peak=tracker.peak)
+
+
+def synthetic_batch(batch: int, num_frames: int, height: int, width: int, fps: float = 8.0) -> dict:
+    """A training batch of the Trainer's form (random pixels, one toy caption) for memory trials."""
+    generator = torch.Generator().manual_seed(0)
+    return {"video": torch.rand(batch, 3, num_frames, height, width, generator=generator) * 2 - 1,
+            "text": ["a red circle moving left"] * batch, "fps": torch.full((batch,), float(fps)),
+            "noise_seed": 0}
+
+
+def measure_trainer(trainer, batch: dict) -> StepMemory:
+    """One step of a freshly built Trainer (its model, parallelism, levers and optimizer)."""
+    return measure_step(trainer.model, lambda: trainer.loss(batch), trainer.optimizer)
+

@@ -1,0 +1,282 @@
+"""``videodit plan``: per-bucket memory, the largest batch that fits, and what to change when
+nothing fits, before a single GPU is allocated.
+
+Each (resolution, num_frames) entry of the bucket config is planned at its worst aspect
+ratio (the most tokens), since one batch size serves all its ratios. Batch sizes can also
+be chosen for equal step time: every bucket gets about the same FLOPs per step (the FLOP
+model of ``parallel.pipeline.block_costs``), capped by what fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from videodit.config import Config, MemoryConfig
+from videodit.data.buckets import build_buckets
+from videodit.data.loader import resolve_bucket_config
+from videodit.errors import UserError
+from videodit.memory.estimate import (Estimate, Parallel, Precision, Shape, count_model, estimate,
+                                      parallel_from_config, precision_from_config)
+from videodit.models.dit import DiTGeometry, STDiT
+from videodit.parallel.pipeline import block_costs
+
+MAX_BATCH = 4096
+
+
+@dataclass(frozen=True)
+class LatentGeometry:
+    """How the VAE maps a clip to latents: channels, frames per latent frame, pixels per latent."""
+    channels: int
+    temporal: int
+    spatial: int
+    # Open-Sora 1.2's VAE encodes 17-frame chunks into 5 latent frames; images stay 1 frame.
+    chunk: tuple[int, int] | None = None
+
+    def frames(self, num_frames: int) -> int:
+        if num_frames == 1:
+            return 1
+        if self.chunk:
+            size, latent = self.chunk
+            return latent * math.ceil(num_frames / size)
+        return math.ceil(num_frames / self.temporal)
+
+    @classmethod
+    def parse(cls, text: str) -> "LatentGeometry":
+        """``opensora-v1.2`` or ``C,FT,FS`` (channels, temporal and spatial compression)."""
+        if text == "opensora-v1.2":
+            return cls(4, 4, 8, chunk=(17, 5))
+        try:
+            channels, temporal, spatial = (int(v) for v in text.split(","))
+        except ValueError:
+            raise UserError(f"--latent {text!r} must be opensora-v1.2 or three integers C,FT,FS (latent channels, "
+                            "frames per latent frame, pixels per latent), e.g. 4,1,8 for an SD VAE") from None
+        if min(channels, temporal, spatial) < 1:
+            raise UserError(f"--latent {text!r}: every entry must be at least 1")
+        return cls(channels, temporal, spatial)
+
+
+@dataclass
+class BucketPlan:
+    resolution: str
+    num_frames: int
+    ratio: str                      # the worst aspect ratio (most tokens)
+    height: int
+    width: int
+    tokens: int                     # per sample, at that ratio
+    config_batch_size: int | None   # what the bucket config asked for
+    max_batch_size: int             # 0: not even batch 1 fits
+    batch_size: int                 # the chosen one (max, or equal step time)
+    estimate: Estimate              # at batch_size (or at 1 when nothing fits)
+    fix: str | None = None          # the cheapest change that makes batch 1 fit
+    flops_per_sample: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"resolution": self.resolution, "num_frames": self.num_frames, "aspect_ratio": self.ratio,
+                "height": self.height, "width": self.width, "tokens": self.tokens,
+                "config_batch_size": self.config_batch_size, "max_batch_size": self.max_batch_size,
+                "batch_size": self.batch_size, "predicted_peak_bytes": self.estimate.peak,
+                "step_flops": self.batch_size * self.flops_per_sample,
+                "bytes": self.estimate.as_dict(), "fix": self.fix}
+
+
+@dataclass
+class Planner:
+    """Everything fixed across buckets: model, parallel layout, precision, memory levers."""
+    geometry: DiTGeometry
+    parallel: Parallel
+    bf16: bool
+    memory: MemoryConfig
+    latent: LatentGeometry
+    caption_length: int
+    gpu_bytes: int
+    margin: float = 0.1
+    ema: bool = True
+    encoder_bytes: int = 0
+    batch_multiple: int = 1     # pipeline micro-batches: batch sizes must be multiples
+
+    def __post_init__(self):
+        with torch.device("meta"):    # structure only: no memory, no initialisation cost
+            self.meta_model = STDiT(self.geometry)
+        self.counts = count_model(self.geometry, self.meta_model)
+
+    @property
+    def budget(self) -> float:
+        return self.gpu_bytes * (1 - self.margin)
+
+    def shape(self, batch: int, num_frames: int, height: int, width: int) -> Shape:
+        s = self.latent.spatial
+        return Shape(batch, self.latent.frames(num_frames), height // s, width // s, self.latent.channels,
+                     self.caption_length)
+
+    def estimate(self, batch: int, num_frames: int, height: int, width: int, **changes) -> Estimate:
+        memory = dataclasses.replace(self.memory, **changes.pop("memory", {}))
+        parallel = dataclasses.replace(self.parallel, **changes.pop("parallel", {}))
+        return estimate(self.geometry, self.shape(batch, num_frames, height, width), parallel=parallel,
+                        precision=Precision(self.bf16), memory=memory, ema=self.ema,
+                        encoder_bytes=self.encoder_bytes, counts=self.counts)
+
+    def max_batch(self, num_frames: int, height: int, width: int, **changes) -> int:
+        """The largest batch (a multiple of ``batch_multiple``) under the budget; 0 if none."""
+        step = self.batch_multiple
+        fits = lambda b: self.estimate(b, num_frames, height, width, **changes).peak <= self.budget  # noqa: E731
+        if not fits(step):
+            return 0
+        low, high = 1, MAX_BATCH // step          # in units of `step`; low fits
+        if fits(high * step):
+            return high * step
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(mid * step) else (low, mid)
+        return low * step
+
+    def cheapest_fix(self, num_frames: int, height: int, width: int) -> str | None:
+        """The first change, cheapest in step time first, under which batch 1 fits."""
+        for label, changes in self._fixes():
+            if self.max_batch(num_frames, height, width, **changes):
+                return label
+        return None
+
+    def _fixes(self):
+        m, p, heads = self.memory, self.parallel, self.geometry.num_heads
+        if m.checkpointing == "none":
+            yield "memory.checkpointing=selective", {"memory": {"checkpointing": "selective"}}
+        if m.checkpointing != "full" or m.checkpoint_every > 1 or m.checkpoint_fraction < 1:
+            yield ("memory.checkpointing=full (all blocks)",
+                   {"memory": {"checkpointing": "full", "checkpoint_every": 1, "checkpoint_fraction": 1.0}})
+        full = {"checkpointing": "full", "checkpoint_every": 1, "checkpoint_fraction": 1.0}
+        for sp in (2, 4, 8, 16):
+            if sp > p.sp and heads % (sp * p.tp) == 0:
+                # More SP ranks: FSDP (if used) shards over them as well.
+                shard = p.shard // p.sp * sp if p.shard > 1 else 1
+                yield (f"parallel.sp={sp} with memory.checkpointing=full",
+                       {"memory": full, "parallel": {"sp": sp, "shard": shard}})
+        yield ("memory.offload=true with memory.checkpointing=selective",
+               {"memory": {"checkpointing": "selective", "offload": True}})
+        if p.shard > 1:
+            yield ("parallel.cpu_offload=true with memory.checkpointing=full",
+                   {"memory": full, "parallel": {"cpu_offload": True}})
+
+    def flops_per_sample(self, num_frames: int, height: int, width: int) -> float:
+        shape = self.shape(1, num_frames, height, width)
+        pt, ph, pw = self.geometry.patch_size
+        frames = math.ceil(shape.latent_frames / pt)
+        positions = math.ceil(shape.latent_height / ph) * math.ceil(shape.latent_width / pw)
+        return float(sum(block_costs(self.meta_model, frames, positions, self.caption_length, "cost")))
+
+
+def plan_buckets(planner: Planner, buckets: list[tuple[str, int, str, int, int, int | None]],
+                 equal_step_time: bool = False) -> list[BucketPlan]:
+    """``buckets``: (resolution, num_frames, ratio, height, width, batch_size) rows; one plan
+    per (resolution, num_frames), at the ratio with the most tokens."""
+    worst: dict[tuple[str, int], tuple] = {}
+    for row in buckets:
+        resolution, num_frames, ratio, height, width, batch = row
+        tokens = planner.shape(1, num_frames, height, width).tokens(planner.geometry)
+        key = (resolution, num_frames)
+        if key not in worst or tokens > worst[key][0]:
+            worst[key] = (tokens, row)
+    plans = []
+    for tokens, (resolution, num_frames, ratio, height, width, batch) in worst.values():
+        max_batch = planner.max_batch(num_frames, height, width)
+        fix = None if max_batch else planner.cheapest_fix(num_frames, height, width)
+        plans.append(BucketPlan(resolution, num_frames, ratio, height, width, tokens, batch, max_batch,
+                                max_batch, planner.estimate(max(max_batch, 1), num_frames, height, width), fix,
+                                planner.flops_per_sample(num_frames, height, width)))
+    if equal_step_time:
+        equalise_step_time(planner, plans)
+    return plans
+
+
+def equalise_step_time(planner: Planner, plans: list[BucketPlan]) -> None:
+    """Give every bucket about the same FLOPs per step: the most that every bucket reaches
+    within memory (the smallest of max_batch x FLOPs per sample)."""
+    fitting = [p for p in plans if p.max_batch_size]
+    if not fitting:
+        return
+    target = min(p.max_batch_size * p.flops_per_sample for p in fitting)
+    step = planner.batch_multiple
+    for p in fitting:
+        batch = max(step, int(target / p.flops_per_sample) // step * step)
+        p.batch_size = min(batch, p.max_batch_size)
+        p.estimate = planner.estimate(p.batch_size, p.num_frames, p.height, p.width)
+
+
+def bucket_rows(cfg: Config) -> list[tuple[str, int, str, int, int, int | None]]:
+    """The config's buckets, or its single training shape when it has no bucket_config."""
+    config = resolve_bucket_config(cfg.data)
+    if config is None:
+        d = cfg.data
+        return [(f"{d.height}x{d.width}", d.num_frames, f"{d.height / d.width:.2f}", d.height, d.width,
+                 cfg.train.batch_size)]
+    return [(b.resolution, b.num_frames, b.ratio, b.height, b.width, b.batch_size) for b in build_buckets(config)]
+
+
+def written_bucket_config(cfg: Config, plans: list[BucketPlan]) -> dict:
+    """The config's bucket_config with the planned batch sizes (keep probabilities unchanged);
+    buckets where nothing fits are switched off with (0.0, None)."""
+    original = resolve_bucket_config(cfg.data) or {}
+    chosen = {(p.resolution, p.num_frames): p.batch_size for p in plans}
+    out: dict = {}
+    for resolution, frames in original.items():
+        out[resolution] = {}
+        for num_frames, (keep, _batch) in frames.items():
+            batch = chosen.get((resolution, int(num_frames)))
+            if batch:
+                keep = list(keep) if isinstance(keep, (tuple, list)) else keep
+                out[resolution][int(num_frames)] = [keep, batch]
+            else:
+                out[resolution][int(num_frames)] = [0.0, None]
+    return out
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+
+
+def frozen_encoder_bytes(cfg: Config) -> int:
+    """GPU bytes of the frozen VAE and text encoder: the built-in ones are counted, local
+    pretrained ones by the size of their weight files (no loading)."""
+    from pathlib import Path
+
+    from videodit.models.text import build_text_encoder
+    total = 0
+    if cfg.text.kind == "toy":
+        encoder = build_text_encoder("toy", path=None, max_length=cfg.text.max_length, dim=cfg.text.dim)
+        total += sum(t.numel() * t.element_size() for t in (*encoder.parameters(), *encoder.buffers()))
+    for kind, path, sub in (("vae", cfg.vae.path, cfg.vae.subfolder), ("text", cfg.text.path, None)):
+        if path:
+            folder = Path(path) / sub if sub else Path(path)
+            total += sum(f.stat().st_size for f in folder.rglob("*") if f.suffix in _WEIGHT_SUFFIXES) \
+                if folder.is_dir() else 0
+    return total
+
+
+def planner_from_config(cfg: Config, gpu_bytes: int, *, world_size: int | None = None, margin: float = 0.1,
+                        latent: LatentGeometry | None = None, caption: tuple[int, int] | None = None,
+                        encoder_bytes: int | None = None) -> Planner:
+    """A planner for ``cfg`` on GPUs of ``gpu_bytes``. Latent and caption geometry come from
+    the config's encoders when they are built in (identity VAE, toy text); local pretrained
+    ones are described with ``latent``/``caption`` instead of being loaded."""
+    from videodit.components import model_geometry
+    if latent is None:
+        if cfg.vae.kind != "identity":
+            raise UserError("vae.kind=diffusers: give the latent geometry with --latent C,FT,FS (or opensora-v1.2); "
+                            "the planner does not load the VAE")
+        latent = LatentGeometry(3, 1, 1)
+    if caption is None:
+        if cfg.text.kind != "toy":
+            raise UserError("text.kind=transformers: give the caption geometry with --caption CHANNELS,LENGTH "
+                            "(e.g. 4096,300 for T5-XXL); the planner does not load the encoder")
+        caption = (cfg.text.dim, cfg.text.max_length)
+    channels, length = caption
+    geometry = model_geometry(cfg, latent.channels, channels)
+    geometry = dataclasses.replace(geometry, caption_length=length)
+    parallel = parallel_from_config(cfg, world_size)
+    p = cfg.parallel
+    multiple = (p.pp_microbatches or p.pp) if p.pp > 1 else 1
+    return Planner(geometry, parallel, precision_from_config(cfg).bf16, cfg.memory, latent, length, gpu_bytes,
+                   margin, ema=cfg.train.ema_decay > 0, encoder_bytes=frozen_encoder_bytes(cfg) if encoder_bytes is None else encoder_bytes,
+                   batch_multiple=multiple)

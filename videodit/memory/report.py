@@ -1,0 +1,85 @@
+"""What ``videodit plan`` and ``videodit tune`` print and write: sizes, the per-bucket table,
+the JSON object and the ``bucket_config`` file."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+from videodit.errors import UserError
+from videodit.memory.plan import BucketPlan, Planner
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``80GiB``, ``80GB``, ``81920MiB`` or a plain byte count."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise UserError(f"memory size {text!r} is not understood; write e.g. 80GiB, 80GB or 40960MiB")
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if value <= 0:
+        raise UserError(f"memory size {text!r} must be positive")
+    return int(value)
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f}"
+
+
+def plan_table(planner: Planner, plans: list[BucketPlan]) -> str:
+    """The human table: one row per (resolution, num_frames), sizes in GiB at the chosen batch."""
+    head = (f"{'resolution':<11}{'frames':>7}{'tokens':>8}{'config bs':>10}{'max bs':>8}{'plan bs':>8}"
+            f"{'params':>8}{'grads':>7}{'optim':>7}{'ema':>6}{'activ':>8}{'temp':>7}{'enc':>6}{'peak GiB':>10}  note")
+    lines = [head, "-" * len(head)]
+    for p in plans:
+        e = p.estimate
+        note = ""
+        if not p.max_batch_size:
+            note = f"does not fit at batch 1; try {p.fix}" if p.fix else "does not fit at batch 1 with any lever"
+        elif p.config_batch_size and p.config_batch_size > p.max_batch_size:
+            note = f"config batch {p.config_batch_size} would need {gib(planner.estimate(p.config_batch_size, p.num_frames, p.height, p.width).peak)} GiB"
+        lines.append(f"{p.resolution:<11}{p.num_frames:>7}{p.tokens:>8}{p.config_batch_size or '-':>10}"
+                     f"{p.max_batch_size:>8}{p.batch_size:>8}{gib(e.params):>8}{gib(e.grads):>7}"
+                     f"{gib(e.optimizer):>7}{gib(e.ema):>6}{gib(e.activations):>8}{gib(e.temporaries):>7}"
+                     f"{gib(e.encoders):>6}{gib(e.peak):>10}  {note}")
+    return "\n".join(lines)
+
+
+def plan_summary(planner: Planner, gpu_bytes: int) -> str:
+    p, m = planner.parallel, planner.memory
+    return (f"model: {planner.counts.num_params:,} parameters, {planner.geometry.depth} block pairs, hidden "
+            f"{planner.geometry.hidden_size} | per GPU: sp={p.sp} tp={p.tp} pp={p.pp} fsdp shard={p.shard} | "
+            f"{'bf16 autocast' if planner.bf16 else 'fp32'} | checkpointing={m.checkpointing}"
+            f"{f' every {m.checkpoint_every}' if m.checkpoint_every > 1 else ''}"
+            f"{f' fraction {m.checkpoint_fraction}' if m.checkpoint_fraction < 1 else ''}"
+            f"{' offload' if m.offload else ''}{f' compression={m.compression}' if m.compression != 'none' else ''} | "
+            f"budget {gib(planner.budget)} of {gib(gpu_bytes)} GiB ({planner.margin:.0%} margin)")
+
+
+def plan_json(planner: Planner, plans: list[BucketPlan], gpu_bytes: int) -> str:
+    first = plans[0].estimate if plans else None
+    model = {"num_params": planner.counts.num_params, "params_per_gpu": int(first.detail["params_per_gpu"]) if first else 0}
+    if first:
+        model.update({f"{k}_bytes": v for k, v in first.as_dict().items()
+                      if k in ("params", "grads", "optimizer", "ema", "encoders")})
+    return json.dumps({"gpu_bytes": gpu_bytes, "budget_bytes": int(planner.budget), "model": model,
+                       "buckets": [p.as_dict() for p in plans]}, indent=2)
+
+
+def write_bucket_config(path: str | Path, bucket_config: dict, header: str) -> None:
+    """A YAML file that ``data.bucket_config_file`` reads; an existing file is replaced atomically."""
+    path = Path(path)
+    text = f"# {header}\n" + yaml.safe_dump({"bucket_config": bucket_config}, sort_keys=False,
+                                             default_flow_style=None)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}; check the folder and free space") from None
