@@ -17,7 +17,7 @@ import yaml
 from conftest import tiny_overrides
 from videodit.cli import main
 from videodit.config import load_config
-from videodit.memory.estimate import Shape, block_activation_bytes, Parallel, Precision
+from videodit.memory.estimate import Parallel, Precision, block_activation_bytes
 from videodit.memory.measure import LiveMemory, measure_trainer, synthetic_batch
 from videodit.memory.plan import LatentGeometry, planner_from_config
 from videodit.memory.report import parse_bytes

@@ -278,5 +278,5 @@ def planner_from_config(cfg: Config, gpu_bytes: int, *, world_size: int | None =
     p = cfg.parallel
     multiple = (p.pp_microbatches or p.pp) if p.pp > 1 else 1
     return Planner(geometry, parallel, precision_from_config(cfg).bf16, cfg.memory, latent, length, gpu_bytes,
-                   margin, ema=cfg.train.ema_decay > 0, encoder_bytes=frozen_encoder_bytes(cfg) if encoder_bytes is None else encoder_bytes,
-                   batch_multiple=multiple)
+                   margin, ema=cfg.train.ema_decay > 0, batch_multiple=multiple,
+                   encoder_bytes=frozen_encoder_bytes(cfg) if encoder_bytes is None else encoder_bytes)

@@ -42,7 +42,8 @@ def plan_table(planner: Planner, plans: list[BucketPlan]) -> str:
         if not p.max_batch_size:
             note = f"does not fit at batch 1; try {p.fix}" if p.fix else "does not fit at batch 1 with any lever"
         elif p.config_batch_size and p.config_batch_size > p.max_batch_size:
-            note = f"config batch {p.config_batch_size} would need {gib(planner.estimate(p.config_batch_size, p.num_frames, p.height, p.width).peak)} GiB"
+            needed = planner.estimate(p.config_batch_size, p.num_frames, p.height, p.width).peak
+            note = f"config batch {p.config_batch_size} would need {gib(needed)} GiB"
         lines.append(f"{p.resolution:<11}{p.num_frames:>7}{p.tokens:>8}{p.config_batch_size or '-':>10}"
                      f"{p.max_batch_size:>8}{p.batch_size:>8}{gib(e.params):>8}{gib(e.grads):>7}"
                      f"{gib(e.optimizer):>7}{gib(e.ema):>6}{gib(e.activations):>8}{gib(e.temporaries):>7}"
@@ -63,7 +64,8 @@ def plan_summary(planner: Planner, gpu_bytes: int) -> str:
 
 def plan_json(planner: Planner, plans: list[BucketPlan], gpu_bytes: int) -> str:
     first = plans[0].estimate if plans else None
-    model = {"num_params": planner.counts.num_params, "params_per_gpu": int(first.detail["params_per_gpu"]) if first else 0}
+    model = {"num_params": planner.counts.num_params,
+             "params_per_gpu": int(first.detail["params_per_gpu"]) if first else 0}
     if first:
         model.update({f"{k}_bytes": v for k, v in first.as_dict().items()
                       if k in ("params", "grads", "optimizer", "ema", "encoders")})
