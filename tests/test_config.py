@@ -1,6 +1,6 @@
 import pytest
 
-from videodit.config import MODEL_PRESETS, load_config, parse_override, to_yaml, from_dict
+from videodit.config import MODEL_PRESETS, builtin_presets, from_dict, load_config, parse_override, to_yaml
 from videodit.errors import UserError
 import yaml
 
@@ -60,3 +60,23 @@ def test_parse_override_values():
     assert parse_override("a.b=3") == ("a.b", 3)
     assert parse_override("a.b=null") == ("a.b", None)
     assert parse_override("a.b=hello world") == ("a.b", "hello world")
+
+
+@pytest.mark.parametrize("name", builtin_presets())
+def test_every_builtin_config_loads_and_round_trips(name):
+    cfg = load_config(name)
+    assert cfg.name == name
+    assert from_dict(yaml.safe_load(to_yaml(cfg))) == cfg
+
+
+@pytest.mark.parametrize("alias, expected", [
+    ("grad_checkpoint=true", "full"), ("grad_checkpoint=false", "none"),
+    ("train.activation_checkpointing=true", "full"),   # the key of earlier runs' config.yaml
+])
+def test_checkpointing_aliases(alias, expected):
+    assert load_config("tiny", [alias]).memory.checkpointing == expected
+
+
+def test_checkpointing_alias_conflict_is_one_line():
+    with pytest.raises(UserError, match="conflicts with grad_checkpoint=true"):
+        load_config("tiny", ["grad_checkpoint=true", "memory.checkpointing=selective"])
