@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from videodit.config import DiffusionConfig
 
