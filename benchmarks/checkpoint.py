@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from videodit.checkpoint import CheckpointManager, _fsync
+from videodit.checkpoint.io import CheckpointManager, _fsync
 from videodit.components import model_geometry
 from videodit.config import load_config, to_yaml
-from videodit.models.dit import STDiT
+from videodit.models.stdit import STDiT
 
 
 def build(preset: str):

@@ -43,7 +43,7 @@ import torch
 from videodit.config import load_config
 from videodit.data.loader import build_training_data
 from videodit.data.metadata import read_metadata
-from videodit.data.toy import make_toy_dataset
+from videodit.toy.make import make_toy_dataset
 
 
 def raw_decode(paths: list[str], sws_threads: int | None = None) -> tuple[int, int]:

@@ -7,7 +7,7 @@ For each model preset, one STDiT built as the Trainer builds it (identity VAE: l
 setting applied by ``apply_memory_levers`` to a copy of the same initial weights:
 
 * activation MiB: bytes created by forward that are still alive when backward starts,
-  measured with ``videodit.memory.measure.LiveMemory`` (it also sees the inputs that
+  measured with ``videodit.planner.measure.LiveMemory`` (it also sees the inputs that
   non-reentrant checkpointing keeps; on CUDA ``torch.cuda.memory_allocated`` is used);
   peak MiB: the most that was alive at any moment of forward + backward (gradients
   included, parameters not).
@@ -34,11 +34,11 @@ import torch
 
 from videodit.components import build_encoders, build_model
 from videodit.config import load_config
-from videodit.data.toy import COLOURS, DIRECTIONS, SHAPES, caption, render_clip
+from videodit.toy.make import COLOURS, DIRECTIONS, SHAPES, caption, render_clip
 from videodit.diffusion.rectified_flow import RectifiedFlow
-from videodit.memory.levers import apply_memory_levers
-from videodit.memory.measure import LiveMemory
-from videodit.memory.saved import saved_tensor_stats
+from videodit.parallel.parallelize import apply_memory_levers
+from videodit.planner.measure import LiveMemory
+from videodit.parallel.saved_tensors import saved_tensor_stats
 
 MiB = 2**20
 SETTINGS = {   # name -> memory.* overrides

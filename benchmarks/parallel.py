@@ -132,7 +132,7 @@ def worker(rank: int, world: int, port: int, args, layout: list[str], result_fil
     counter = CollectiveBytes()
     counter.install()
     from videodit.config import load_config
-    from videodit.train import Trainer
+    from videodit.train.trainer import Trainer
 
     toy = Path(args.toy)
     cfg = load_config("tiny", [
@@ -178,7 +178,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--frames", type=int, default=4, help="frames per clip (32x32 pixels, pixel latents)")
     args = parser.parse_args()
-    from videodit.data.toy import make_toy_dataset
+    from videodit.toy.make import make_toy_dataset
 
     with tempfile.TemporaryDirectory() as tmp:
         args.toy = str(Path(tmp) / "toy")

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from videodit.config import load_config
-from videodit.data.toy import make_toy_dataset
-from videodit.train import Trainer
+from videodit.toy.make import make_toy_dataset
+from videodit.train.trainer import Trainer
 
 
 def minimal_step(model, optimizer, vae, text, batch, generator):

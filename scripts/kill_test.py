@@ -92,7 +92,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    from videodit.data.toy import make_toy_dataset
+    from videodit.toy.make import make_toy_dataset
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -11,7 +11,7 @@ torch.set_num_threads(2)
 @pytest.fixture(scope="session")
 def toy_dir(tmp_path_factory):
     """A small toy dataset: one 8-frame 16x16 clip per seen combination."""
-    from videodit.data.toy import make_toy_dataset
+    from videodit.toy.make import make_toy_dataset
 
     out = tmp_path_factory.mktemp("toy")
     make_toy_dataset(out, clips_per_combination=1, num_frames=8, height=16, width=16, seed=0)
@@ -21,7 +21,7 @@ def toy_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def mixed_toy(tmp_path_factory):
     """Clips of two sizes (16x16, 24x24) plus still images: bucketed batches change shape."""
-    from videodit.data.toy import make_toy_dataset
+    from videodit.toy.make import make_toy_dataset
 
     out = tmp_path_factory.mktemp("mixed")
     make_toy_dataset(out, clips_per_combination=1, num_frames=8, sizes=[(16, 16), (24, 24)],

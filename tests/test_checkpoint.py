@@ -17,10 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import videodit.checkpoint as ckpt_mod
-from videodit.checkpoint import (CheckpointManager, LoadedCheckpoint, list_checkpoints, resolve_checkpoint,
+import videodit.checkpoint.io as ckpt_mod
+from videodit.checkpoint.io import (CheckpointManager, LoadedCheckpoint, list_checkpoints, resolve_checkpoint,
                                  save_checkpoint, verify_checkpoint, write_safetensors)
-from videodit.ckpt_tools import export, format_inspect, format_list, inspect, list_run
+from videodit.checkpoint.tools import export, format_inspect, format_list, inspect, list_run
 from videodit.errors import UserError
 
 
@@ -456,7 +456,7 @@ def test_a_process_that_exits_without_wait_still_completes_its_async_save(tmp_pa
     script = f"""
 import sys, time
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-import videodit.checkpoint as ckpt_mod
+import videodit.checkpoint.io as ckpt_mod
 from test_checkpoint import fake_state
 real = ckpt_mod._write_checkpoint
 def slow(*args, **kwargs):

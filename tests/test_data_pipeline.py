@@ -10,7 +10,7 @@ from videodit.cli import main
 from videodit.config import load_config
 from videodit.data.metadata import read_metadata
 from videodit.errors import UserError
-from videodit.train import Trainer
+from videodit.train.trainer import Trainer
 
 HEADER = "path,text,num_frames,height,width,aspect_ratio,fps,extra\n"
 

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from videodit.errors import UserError
-from videodit.models.text import HFTextEncoder, ToyTextEncoder, build_text_encoder
+from videodit.components import build_text_encoder
+from videodit.models.text import HFTextEncoder
+from videodit.toy.encoder import ToyTextEncoder
 from videodit.models.vae import Diffusers2DVAE, Diffusers3DVAE, IdentityVAE, build_vae
 
 

@@ -17,12 +17,12 @@ import yaml
 from conftest import tiny_overrides
 from videodit.cli import main
 from videodit.config import load_config
-from videodit.memory.estimate import Parallel, Precision, block_activation_bytes
-from videodit.memory.measure import LiveMemory, measure_trainer, synthetic_batch
-from videodit.memory.plan import LatentGeometry, planner_from_config
-from videodit.memory.report import parse_bytes
-from videodit.memory.tune import search_max_batch
-from videodit.train import Trainer
+from videodit.planner.estimate import Parallel, Precision, block_activation_bytes
+from videodit.planner.measure import LiveMemory, measure_trainer, synthetic_batch
+from videodit.planner.plan import LatentGeometry, planner_from_config
+from videodit.planner.report import parse_bytes
+from videodit.planner.tune import search_max_batch
+from videodit.train.trainer import Trainer
 
 TOLERANCE = 0.10
 CATEGORIES = ("activations", "params", "grads", "optimizer")
@@ -98,7 +98,7 @@ def test_live_memory_sees_only_new_storages():
 
 
 def test_checkpointing_levers_order_the_activation_bytes():
-    from videodit.models.dit import DiTGeometry
+    from videodit.models.stdit import DiTGeometry
     g = DiTGeometry(in_channels=4, caption_channels=64, caption_length=8, depth=2, hidden_size=128, num_heads=4)
     args = (g, 4096, 4, 8, Parallel(), Precision())
     plain, selective, full = (block_activation_bytes(*args, mode=m) for m in ("none", "selective", "full"))

@@ -1,5 +1,5 @@
 """The activation-memory levers: which blocks are checkpointed, and offload/compression of
-what the other blocks save for backward (``videodit.memory.saved``)."""
+what the other blocks save for backward (``videodit.parallel.saved_tensors``)."""
 
 import copy
 import math
@@ -8,13 +8,12 @@ import pytest
 import torch
 
 from conftest import tiny_overrides
-from videodit.config import load_config
-from videodit.memory import saved
-from videodit.memory.activation import chosen_blocks
-from videodit.memory.saved import saved_tensor_stats, wrap_saved_tensors
-from videodit.models.dit import STBlock
+from videodit.config import MemoryConfig, load_config
+from videodit.parallel import saved_tensors as saved
+from videodit.parallel.saved_tensors import saved_tensor_stats, wrap_saved_tensors
+from videodit.models.stdit import STBlock
 from videodit.models.layers import RotaryEmbedding
-from videodit.train import Trainer
+from videodit.train.trainer import Trainer
 
 DIM, HEADS = 64, 2
 
@@ -159,8 +158,9 @@ def test_unknown_compression_is_rejected():
     (5, 2, 1.0, [0, 2, 4]),
     (4, 8, 1.0, [0]),
 ])
-def test_chosen_blocks(num_blocks, every, fraction, expected):
-    assert chosen_blocks(num_blocks, every, fraction) == expected
+def test_checkpointed_blocks(num_blocks, every, fraction, expected):
+    memory = MemoryConfig(checkpointing="full", checkpoint_every=every, checkpoint_fraction=fraction)
+    assert memory.checkpointed_blocks(num_blocks) == expected
     assert len(expected) == math.ceil(len(range(0, num_blocks, every)) * fraction - 1e-9)
 
 

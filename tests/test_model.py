@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from videodit.models.dit import DiTGeometry, STDiT, count_parameters
+from videodit.models.stdit import DiTGeometry, STDiT, count_parameters
 from videodit.models.layers import AttentionBackend
 
 

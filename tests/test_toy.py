@@ -4,13 +4,13 @@ import csv
 import numpy as np
 import pytest
 
-from videodit.data import toy
-from videodit.data.toy import (COLOURS, CSV_COLUMNS, DIRECTIONS, HELDOUT, SHAPES,
+from videodit.toy import make as toy
+from videodit.toy.make import (COLOURS, CSV_COLUMNS, DIRECTIONS, HELDOUT, SHAPES,
                                all_combinations, caption, make_toy_dataset, parse_caption,
                                render_clip, seen_combinations)
 from videodit.data.video import IMAGE_FPS, read_video, write_video
 from videodit.errors import UserError
-from videodit.eval.toy_metrics import (dominant_colour, measure_clip, motion_direction,
+from videodit.toy.metrics import (dominant_colour, measure_clip, motion_direction,
                                        score)
 
 # Small enough to keep the file fast, large enough to exercise every code path.

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from conftest import tiny_overrides
 from videodit.cli import main
 from videodit.config import load_config
-from videodit.train import Trainer
+from videodit.train.trainer import Trainer
 
 
 def losses(run_dir):

@@ -34,7 +34,7 @@ def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
 def cmd_train(ns) -> int:
     from videodit.config import load_config
     from videodit.parallel.distributed import launched_world_size
-    from videodit.train import Trainer
+    from videodit.train.trainer import Trainer
 
     config, overrides = _split_config_args(ns.args)
     cfg = load_config(config, overrides)
@@ -113,7 +113,7 @@ def cmd_config_keys(ns) -> int:
 
 
 def cmd_toy_make(ns) -> int:
-    from videodit.data.toy import make_toy_dataset
+    from videodit.toy.make import make_toy_dataset
 
     started = time.time()
     sizes = [tuple(int(v) for v in size.lower().split("x")) for size in ns.sizes] if ns.sizes else None
@@ -125,7 +125,7 @@ def cmd_toy_make(ns) -> int:
 
 
 def cmd_toy_eval(ns) -> int:
-    from videodit.eval.toy_eval import evaluate
+    from videodit.toy.eval import evaluate
     from videodit.sample import Pipeline
 
     pipeline = Pipeline(ns.ckpt, device=ns.device)
@@ -185,7 +185,7 @@ def cmd_buckets(ns) -> int:
     from videodit.config import load_config
     from videodit.data.loader import BucketPlan
     from videodit.data.metadata import read_metadata
-    from videodit.data.report import bucket_report, format_report
+    from videodit.data.bucket_report import bucket_report, format_report
 
     cfg = load_config(ns.config, [*overrides, *ns.overrides])
     meta = read_metadata(ns.meta, bad_rows=cfg.data.bad_rows)
@@ -197,7 +197,7 @@ def cmd_buckets(ns) -> int:
 
 
 def cmd_ckpt_list(ns) -> int:
-    from videodit.ckpt_tools import format_list, list_run
+    from videodit.checkpoint import format_list, list_run
 
     run = Path(ns.run)
     if not run.is_dir():
@@ -208,7 +208,7 @@ def cmd_ckpt_list(ns) -> int:
 
 
 def cmd_ckpt_inspect(ns) -> int:
-    from videodit.ckpt_tools import format_inspect, inspect
+    from videodit.checkpoint import format_inspect, inspect
 
     info = inspect(ns.ckpt)
     print(json.dumps(info, default=str) if ns.json else format_inspect(info))
@@ -216,7 +216,7 @@ def cmd_ckpt_inspect(ns) -> int:
 
 
 def cmd_ckpt_export(ns) -> int:
-    from videodit.ckpt_tools import export
+    from videodit.checkpoint import export
 
     out = export(ns.ckpt, ns.out, use_ema=ns.ema, dtype=ns.dtype)
     print(f"exported to {out} (videodit sample --ckpt {out} loads it)")
@@ -228,7 +228,7 @@ def cmd_model_info(ns) -> int:
 
     from videodit.components import model_geometry
     from videodit.config import MODEL_PRESETS, ModelConfig, load_config
-    from videodit.models.dit import STDiT, count_parameters
+    from videodit.models.stdit import STDiT, count_parameters
 
     cfg = load_config(ns.config, [])
     cfg.text.max_length = ns.caption_length
@@ -244,8 +244,8 @@ def cmd_model_info(ns) -> int:
 
 
 def _planner(ns, cfg):
-    from videodit.memory.plan import LatentGeometry, planner_from_config
-    from videodit.memory.report import parse_bytes
+    from videodit.planner.plan import LatentGeometry, planner_from_config
+    from videodit.planner.report import parse_bytes
 
     gpu = parse_bytes(ns.gpu_mem)
     latent = LatentGeometry.parse(ns.latent) if ns.latent else None
@@ -265,8 +265,8 @@ def _planner(ns, cfg):
 
 def cmd_plan(ns) -> int:
     from videodit.config import load_config
-    from videodit.memory.plan import bucket_rows, plan_buckets, written_bucket_config
-    from videodit.memory.report import plan_json, plan_summary, plan_table, write_bucket_config
+    from videodit.planner.plan import bucket_rows, plan_buckets, written_bucket_config
+    from videodit.planner.report import plan_json, plan_summary, plan_table, write_bucket_config
 
     config, overrides = _split_config_args(ns.args)
     cfg = load_config(config, overrides)
@@ -289,10 +289,10 @@ def cmd_tune(ns) -> int:
     import tempfile
 
     from videodit.config import load_config
-    from videodit.memory.plan import bucket_rows, equalise_step_time, plan_buckets, written_bucket_config
-    from videodit.memory.report import gib, plan_summary, write_bucket_config
-    from videodit.memory.tune import GpuTrials, require_gpu, search_max_batch
-    from videodit.train import Trainer
+    from videodit.planner.plan import bucket_rows, equalise_step_time, plan_buckets, written_bucket_config
+    from videodit.planner.report import gib, plan_summary, write_bucket_config
+    from videodit.planner.tune import GpuTrials, require_gpu, search_max_batch
+    from videodit.train.trainer import Trainer
 
     require_gpu()
     config, overrides = _split_config_args(ns.args)

@@ -1,4 +1,5 @@
-"""Build the model and its frozen encoders from a config: shared by train, sample and export."""
+"""Build the model and its frozen encoders from a config: shared by train, sample, the planner
+and export. The one place that knows every kind of encoder (the toy one included)."""
 
 from __future__ import annotations
 
@@ -6,24 +7,24 @@ import torch
 
 from videodit.config import Config
 from videodit.errors import UserError
-from videodit.models.dit import DiTGeometry, STDiT
-from videodit.models.text import build_text_encoder
+from videodit.models.stdit import DiTGeometry, STDiT
+from videodit.models.text import load_text_encoder
 from videodit.models.vae import build_vae
+from videodit.toy.encoder import TOY_MAX_LENGTH, ToyTextEncoder
+
+TEXT_KINDS = ("toy", "transformers")
 
 
-def pick_device(name: str, local_rank: int = 0) -> torch.device:
-    """``auto``, ``cpu`` or ``cuda``; with CUDA, the GPU of this process's ``local_rank``."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name != "cuda":
-        return torch.device(name)
-    if not torch.cuda.is_available():
-        raise UserError("train.device=cuda but no GPU is visible; use train.device=cpu or auto")
-    if local_rank >= torch.cuda.device_count():
-        raise UserError(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible; start "
-                        "fewer processes per node (torchrun --nproc-per-node)")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+def build_text_encoder(kind: str, path: str | None = None, max_length: int | None = None, dim: int = 64,
+                       dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A frozen text encoder: ``toy`` (weight-free, ``dim`` wide; ``path`` ignored) or
+    ``transformers`` (the local folder ``path``; ``dim`` comes from its config).
+    ``max_length=None`` means 8 tokens for the toy encoder and 120 for transformers models."""
+    if kind == "toy":
+        return ToyTextEncoder(dim=dim, max_length=max_length or TOY_MAX_LENGTH)
+    if kind == "transformers":
+        return load_text_encoder(path, max_length=max_length, dtype=dtype)
+    raise UserError(f"text.kind={kind!r} is not supported; choose one of: {', '.join(TEXT_KINDS)}")
 
 
 def build_encoders(cfg: Config, device: torch.device):

@@ -63,7 +63,8 @@ class Pipeline:
 
     def __init__(self, ckpt_path: str | Path, device: str = "auto", use_ema: bool = True):
         from videodit.checkpoint import LoadedCheckpoint
-        from videodit.components import build_encoders, build_model, pick_device
+        from videodit.components import build_encoders, build_model
+        from videodit.parallel.distributed import pick_device
         from videodit.config import from_dict
 
         ckpt = LoadedCheckpoint(ckpt_path)

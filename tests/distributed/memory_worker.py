@@ -1,5 +1,5 @@
 """Run by tests/test_memory.py under torchrun: measure one training step's memory on this rank
-(``videodit.memory.measure``) next to the planner's prediction, and print both as JSON."""
+(``videodit.planner.measure``) next to the planner's prediction, and print both as JSON."""
 
 import json
 import sys
@@ -7,9 +7,9 @@ import tempfile
 from pathlib import Path
 
 from videodit.config import load_config
-from videodit.memory.measure import measure_trainer, synthetic_batch
-from videodit.memory.plan import planner_from_config
-from videodit.train import Trainer
+from videodit.planner.measure import measure_trainer, synthetic_batch
+from videodit.planner.plan import planner_from_config
+from videodit.train.trainer import Trainer
 
 
 def main(spec_json: str) -> None:

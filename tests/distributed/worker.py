@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from videodit.config import load_config
-from videodit.train import Trainer
+from videodit.train.trainer import Trainer
 
 
 def train(name: str, overrides: list[str], steps: int, out: Path) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import yaml
 from torch.utils.data import DataLoader
 
-from videodit.config import Config, DataConfig
+from videodit.config import DataConfig
 from videodit.data.buckets import (Assignment, Bucket, assign_buckets, build_buckets,
                                    load_opensora_bucket_config, parse_bucket_config)
 from videodit.data.dataset import VideoDataset, collate
@@ -101,17 +101,3 @@ def build_training_data(data: DataConfig, *, batch_size: int, seed: int, dp_rank
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=data.num_workers,
                         persistent_workers=False)
     return TrainData(meta, plan, dataset, sampler, loader)
-
-
-def ensure_toy_data(cfg: Config) -> None:
-    """Generate the toy dataset for a toy config (its CSV is a missing ``train.csv``)."""
-    csv = Path(cfg.data.csv)
-    if csv.exists() or not cfg.data.make_toy_if_missing or csv.name != "train.csv":
-        return
-    from videodit.data.toy import make_toy_dataset   # only toy configs need it
-
-    print(f"generating the toy dataset in {csv.parent} ...", flush=True)
-    toy = cfg.toy
-    make_toy_dataset(csv.parent, clips_per_combination=toy.clips_per_combination, num_frames=toy.num_frames,
-                     fps=toy.fps, sizes=[tuple(size) for size in toy.sizes], image_fraction=toy.image_fraction,
-                     seed=cfg.train.seed)

@@ -16,18 +16,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from videodit.data.toy import COLOURS, DIRECTIONS, SHAPES
 from videodit.errors import UserError
 
-TEXT_KINDS = ("toy", "transformers")
-
-# Defaults used by build_text_encoder when max_length is None.
-TOY_MAX_LENGTH = 8
-HF_MAX_LENGTH = 120
-
-PAD_TOKEN, UNK_TOKEN = "<pad>", "<unk>"
-# Fixed order: ids must never change, or toy checkpoints would silently mean other words.
-TOY_VOCAB = (PAD_TOKEN, UNK_TOKEN, "a", *COLOURS, *SHAPES, "moving", *DIRECTIONS)
+HF_MAX_LENGTH = 120   # caption tokens when text.max_length is not given
 
 
 class FrozenTextEncoder(nn.Module):
@@ -48,75 +39,9 @@ class FrozenTextEncoder(nn.Module):
         raise NotImplementedError
 
 
-# --------------------------------------------------------------------------- toy encoder
-
-
-def _as_caption_list(captions: list[str] | str) -> list[str]:
+def as_caption_list(captions: list[str] | str) -> list[str]:
     # A bare string would otherwise be iterated character by character.
     return [captions] if isinstance(captions, str) else list(captions)
-
-
-def toy_tokenize(caption: str) -> list[str]:
-    """Lower-case whitespace tokenisation; punctuation at word edges is dropped."""
-    words = (w.strip(string.punctuation) for w in caption.lower().split())
-    return [w for w in words if w]
-
-
-def _sinusoidal_positions(length: int, dim: int) -> Tensor:
-    """Standard transformer sin/cos position table [length, dim] (odd dims padded)."""
-    half = (dim + 1) // 2
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float64) / half)
-    angles = torch.arange(length, dtype=torch.float64)[:, None] * freqs[None, :]
-    table = torch.cat([angles.sin(), angles.cos()], dim=1)[:, :dim]
-    return table.float()
-
-
-class ToyTextEncoder(FrozenTextEncoder):
-    """A weight-free encoder for the toy caption vocabulary.
-
-    Token rows come from a fixed-seed CPU ``torch.Generator`` and are normalised to unit
-    length; a sinusoidal position encoding (scaled to norm 0.5 so it does not swamp the
-    word identity) is added. Everything is rebuilt from ``seed``, so the encoder is
-    identical on every machine and needs no file. Unknown words map to ``<unk>``.
-    """
-
-    def __init__(self, dim: int = 64, max_length: int = TOY_MAX_LENGTH, seed: int = 0):
-        super().__init__()
-        if dim < 1 or max_length < 1:
-            raise UserError(f"text.dim={dim} and text.max_length={max_length} must be positive")
-        self.dim, self.max_length, self.seed = int(dim), int(max_length), int(seed)
-        self.vocab = {word: i for i, word in enumerate(TOY_VOCAB)}
-        generator = torch.Generator().manual_seed(self.seed)
-        table = torch.randn(len(TOY_VOCAB), self.dim, generator=generator)
-        table = table / table.norm(dim=1, keepdim=True)
-        positions = _sinusoidal_positions(self.max_length, self.dim)
-        positions = 0.5 * positions / positions.norm(dim=1, keepdim=True)
-        # Buffers (not parameters): they move with .to() but are never trained. Not
-        # persistent, since they are fully determined by the seed and would only bloat
-        # checkpoints.
-        self.register_buffer("token_table", table, persistent=False)
-        self.register_buffer("position_table", positions, persistent=False)
-        self._freeze()
-
-    def token_ids(self, captions: list[str]) -> tuple[Tensor, Tensor]:
-        """Ids [B, max_length] (padded/truncated) and the real-token mask."""
-        unk, pad = self.vocab[UNK_TOKEN], self.vocab[PAD_TOKEN]
-        ids = torch.full((len(captions), self.max_length), pad, dtype=torch.long)
-        mask = torch.zeros((len(captions), self.max_length), dtype=torch.bool)
-        for row, caption in enumerate(captions):
-            words = toy_tokenize(caption)[: self.max_length]
-            ids[row, : len(words)] = torch.tensor([self.vocab.get(w, unk) for w in words], dtype=torch.long)
-            # Mask by length, not by id, so a literal "<pad>" word still counts as a token.
-            mask[row, : len(words)] = True
-        return ids, mask
-
-    @torch.no_grad()
-    def encode(self, captions: list[str]) -> tuple[Tensor, Tensor]:
-        captions = _as_caption_list(captions)
-        ids, mask = self.token_ids(captions)
-        ids, mask = ids.to(self.token_table.device), mask.to(self.token_table.device)
-        embeddings = self.token_table[ids] + self.position_table[None]
-        return embeddings * mask[..., None], mask
 
 
 # --------------------------------------------------------------------------- transformers
@@ -196,7 +121,7 @@ class HFTextEncoder(FrozenTextEncoder):
 
     @torch.no_grad()
     def encode(self, captions: list[str]) -> tuple[Tensor, Tensor]:
-        captions = _as_caption_list(captions)
+        captions = as_caption_list(captions)
         tokens = self.tokenizer(
             captions,
             padding="max_length",
@@ -233,34 +158,8 @@ def _check_model_folder(path: str | None) -> str:
     return str(folder)
 
 
-def build_text_encoder(
-    kind: str,
-    path: str | None = None,
-    max_length: int | None = None,
-    dim: int = 64,
-    dtype: torch.dtype = torch.float32,
-) -> nn.Module:
-    """Build a frozen text encoder.
-
-    ``kind='toy'``: :class:`ToyTextEncoder` with ``dim`` (``path`` is ignored).
-    ``kind='transformers'``: :class:`HFTextEncoder` from the local folder ``path``; ``dim``
-    is ignored (it comes from the model config).
-    ``max_length=None`` means 8 for the toy encoder and 120 for transformers models.
-    """
-    if kind == "toy":
-        return ToyTextEncoder(dim=dim, max_length=max_length or TOY_MAX_LENGTH)
-    if kind == "transformers":
-        folder = _check_model_folder(path)
-        return HFTextEncoder(folder, max_length=max_length or HF_MAX_LENGTH, dtype=dtype)
-    raise UserError(f"text.kind={kind!r} is not supported; choose one of: {', '.join(TEXT_KINDS)}")
-
-
-__all__ = [
-    "TEXT_KINDS",
-    "TOY_VOCAB",
-    "FrozenTextEncoder",
-    "ToyTextEncoder",
-    "HFTextEncoder",
-    "build_text_encoder",
-    "toy_tokenize",
-]
+def load_text_encoder(path: str | None, max_length: int | None = None,
+                      dtype: torch.dtype = torch.float32) -> HFTextEncoder:
+    """A frozen :class:`HFTextEncoder` from the local transformers folder ``path``
+    (``max_length=None``: 120 tokens)."""
+    return HFTextEncoder(_check_model_folder(path), max_length=max_length or HF_MAX_LENGTH, dtype=dtype)

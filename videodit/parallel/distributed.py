@@ -13,8 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from videodit.components import pick_device
 from videodit.config import Config
+from videodit.errors import UserError
 from videodit.parallel.dims import ParallelDims
 
 
@@ -97,6 +97,21 @@ class DistContext:
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    """``auto``, ``cpu`` or ``cuda``; with CUDA, the GPU of this process's ``local_rank``."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name != "cuda":
+        return torch.device(name)
+    if not torch.cuda.is_available():
+        raise UserError("train.device=cuda but no GPU is visible; use train.device=cpu or auto")
+    if local_rank >= torch.cuda.device_count():
+        raise UserError(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible; start "
+                        "fewer processes per node (torchrun --nproc-per-node)")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def launched_world_size() -> int:

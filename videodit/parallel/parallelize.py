@@ -19,10 +19,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.nn.parallel import DistributedDataParallel
 
 from videodit.config import MemoryConfig, ParallelConfig
-from videodit.memory.levers import apply_memory_levers
+from videodit.parallel.activation_checkpoint import apply_activation_checkpointing
 from videodit.parallel.distributed import DistContext
 from videodit.parallel.gradients import clip_gradients, sum_partial_gradients
 from videodit.parallel.pipeline import Pipeline, build_pipeline
+from videodit.parallel.saved_tensors import wrap_saved_tensors
 from videodit.parallel.sequence import apply_sequence_parallel
 from videodit.parallel.tensor import apply_tensor_parallel
 
@@ -69,6 +70,17 @@ def parallelize(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *, memo
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         module = DistributedDataParallel(model, process_group=ctx.group("dp_sp"), device_ids=device_ids)
     return ParallelModel(model, module, pipeline, ctx, partial)
+
+
+def apply_memory_levers(model: nn.Module, cfg: MemoryConfig) -> list[int]:
+    """Checkpoint the chosen blocks; offload or compress what the other blocks save for
+    backward (a checkpointed block saves only its inputs). Returns the checkpointed indices."""
+    chosen = apply_activation_checkpointing(model, cfg)
+    if cfg.offload or cfg.compression != "none":
+        for i, block in enumerate(model.blocks):
+            if i not in chosen:
+                wrap_saved_tensors(block, offload=cfg.offload, compression=cfg.compression)
+    return chosen
 
 
 def apply_fsdp(model: nn.Module, roots: list[nn.Module], ctx: DistContext, cfg: ParallelConfig, *,

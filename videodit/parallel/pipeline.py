@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from videodit.errors import UserError
-from videodit.models.dit import DiTGeometry, STDiT, unpatchify
+from videodit.models.stdit import DiTGeometry, STDiT, unpatchify
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 

@@ -1,6 +1,6 @@
 """Measure colour and motion direction of (generated) toy clips.
 
-This is the evaluation instrument for the toy dataset (``videodit.data.toy``): it must
+This is the evaluation instrument for the toy dataset (``videodit.toy.make``): it must
 read the colour and direction of real clips essentially perfectly, so that errors on
 generated clips are the model's, not the ruler's.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from videodit.data.toy import COLOURS
+from videodit.toy.vocabulary import COLOURS
 
 __all__ = [
     "OBJECT_THRESHOLD",

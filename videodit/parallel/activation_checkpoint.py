@@ -9,20 +9,20 @@ exactly as they were.
   expensive ops) and recomputes the cheap elementwise ones (norms, adaLN modulation, GELU,
   rotary embedding, gating), whose saved tensors are about half of a block's activations.
 
-Which blocks: every ``every``-th block of ``model.blocks``, then the first ``fraction`` of
-those, so the planner can trade memory for recompute in small steps.
+Which blocks: ``MemoryConfig.checkpointed_blocks`` (every ``checkpoint_every``-th block, then
+the first ``checkpoint_fraction`` of those), so the planner can trade memory for recompute
+in small steps.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-MODES = ("none", "full", "selective")
+from videodit.config import MemoryConfig
 
 _aten = torch.ops.aten
 # Ops whose outputs selective checkpointing keeps: the matmuls and every attention kernel
@@ -53,21 +53,9 @@ def checkpoint_module(module: nn.Module, mode: str = "full") -> None:
     module.forward = forward
 
 
-def chosen_blocks(num_blocks: int, every: int = 1, fraction: float = 1.0) -> list[int]:
-    """Indices of the checkpointed blocks: every ``every``-th, then the first ``fraction`` of those."""
-    candidates = list(range(0, num_blocks, every))
-    return candidates[: math.ceil(len(candidates) * fraction - 1e-9)]
-
-
-def apply_activation_checkpointing(model: nn.Module, mode: str = "full", every: int = 1,
-                                   fraction: float = 1.0) -> list[int]:
-    """Checkpoint the chosen blocks of ``model.blocks``; returns their indices."""
-    if mode == "none":
-        return []
-    if mode not in MODES:
-        raise ValueError(f"checkpointing mode {mode!r} is not one of {MODES}")
-    blocks = model.blocks
-    chosen = chosen_blocks(len(blocks), every, fraction)
+def apply_activation_checkpointing(model: nn.Module, memory: MemoryConfig) -> list[int]:
+    """Checkpoint the blocks of ``model.blocks`` that ``memory`` chooses; returns their indices."""
+    chosen = memory.checkpointed_blocks(len(model.blocks))
     for i in chosen:
-        checkpoint_module(blocks[i], mode)
+        checkpoint_module(model.blocks[i], memory.checkpointing)
     return chosen

@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 
 from videodit.errors import UserError
-from videodit.memory.measure import synthetic_batch
-from videodit.memory.plan import MAX_BATCH
+from videodit.planner.measure import synthetic_batch
+from videodit.planner.plan import MAX_BATCH
 
 
 def search_max_batch(fits: Callable[[int], bool], start: int = 1, limit: int = MAX_BATCH, multiple: int = 1) -> int:

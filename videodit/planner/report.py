@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from videodit.errors import UserError
-from videodit.memory.plan import BucketPlan, Planner
+from videodit.planner.plan import BucketPlan, Planner
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -28,21 +28,22 @@ from videodit.checkpoint import CheckpointManager, LoadedCheckpoint, checkpoint_
 from videodit.components import build_encoders, build_model
 from videodit.config import Config, to_yaml
 from videodit.data.dataset import BadFileGuard
-from videodit.data.loader import build_training_data, ensure_toy_data
+from videodit.data.loader import build_training_data
+from videodit.toy.make import ensure_toy_data
 from videodit.diffusion.rectified_flow import RectifiedFlow
-from videodit.ema import EMA
+from videodit.train.ema import EMA
 from videodit.errors import UserError
-from videodit.metrics import MetricsLogger, Throughput
-from videodit.models.dit import count_parameters
+from videodit.train.metrics import MetricsLogger, Throughput
+from videodit.models.stdit import count_parameters
 from videodit.parallel.distributed import init_distributed
 from videodit.parallel.gradients import gradient_sync
 from videodit.parallel.parallelize import parallelize
 from videodit.parallel.pipeline import block_costs, check_microbatches, pack_target, velocity_mse
 from videodit.parallel.state import (full_tensors, gather_stages, load_model_state, load_optimizer_state,
                                      load_shards, optimizer_state, save_shards)
-from videodit.runtime import StopSignals, check_config_change, run_info, seed_everything
+from videodit.train.runtime import StopSignals, check_config_change, run_info, seed_everything
 from videodit.sample import generate, write_clips
-from videodit.validation import Validator
+from videodit.train.validation import Validator
 
 
 class Trainer:

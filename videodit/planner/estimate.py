@@ -1,6 +1,6 @@
 """Predict one GPU's training memory for one micro-batch shape, without running anything.
 
-The model (derived in ``docs/memory.md``, checked against :mod:`videodit.memory.measure`):
+The model (derived in ``docs/memory.md``, checked against :mod:`videodit.planner.measure`):
 
 * **Model state** from the exact parameter count (the model is built on the meta device):
   fp32 weights, fp32 gradients, AdamW's two fp32 moments and the fp32 EMA, each divided by
@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from videodit.config import Config, MemoryConfig
-from videodit.memory.activation import chosen_blocks
-from videodit.models.dit import DiTGeometry, STDiT
+from videodit.models.stdit import DiTGeometry, STDiT
 
 GiB = 1024**3
 FP32 = 4
@@ -198,8 +197,7 @@ def activation_bytes(geometry: DiTGeometry, shape: Shape, parallel: Parallel, pr
         shape = dataclasses.replace(shape, batch=max(1, shape.batch // parallel.microbatches))
     tokens = shape.batch * shape.tokens(geometry) // parallel.sp
     blocks_here = math.ceil(num_blocks / parallel.pp)
-    checkpointed = set(chosen_blocks(num_blocks, memory.checkpoint_every, memory.checkpoint_fraction)
-                       if memory.checkpointing != "none" else [])
+    checkpointed = set(memory.checkpointed_blocks(num_blocks))
     args = (geometry, tokens, shape.batch, shape.caption_length, parallel, precision)
     per_block = {mode: block_activation_bytes(*args, mode=mode, compression=memory.compression)
                  for mode in ("none", "full", "selective")}

@@ -19,7 +19,7 @@ from), an event log ``checkpoints.jsonl``, cleanup of interrupted saves, verifie
 ``latest()``, and optional background (async) saves.
 
 An *export* folder (``config.json`` + ``model.safetensors``, written by
-:func:`videodit.ckpt_tools.export`) loads through :class:`LoadedCheckpoint` too, so
+:func:`videodit.checkpoint.tools.export`) loads through :class:`LoadedCheckpoint` too, so
 sampling works on it unchanged.
 """
 

@@ -19,9 +19,9 @@ from videodit.config import Config, MemoryConfig
 from videodit.data.buckets import build_buckets
 from videodit.data.loader import resolve_bucket_config
 from videodit.errors import UserError
-from videodit.memory.estimate import (Estimate, Parallel, Precision, Shape, count_model, estimate,
+from videodit.planner.estimate import (Estimate, Parallel, Precision, Shape, count_model, estimate,
                                       parallel_from_config, precision_from_config)
-from videodit.models.dit import DiTGeometry, STDiT
+from videodit.models.stdit import DiTGeometry, STDiT
 from videodit.parallel.pipeline import block_costs
 
 MAX_BATCH = 4096
@@ -241,7 +241,7 @@ def frozen_encoder_bytes(cfg: Config) -> int:
     pretrained ones by the size of their weight files (no loading)."""
     from pathlib import Path
 
-    from videodit.models.text import build_text_encoder
+    from videodit.components import build_text_encoder
     total = 0
     if cfg.text.kind == "toy":
         encoder = build_text_encoder("toy", path=None, max_length=cfg.text.max_length, dim=cfg.text.dim)

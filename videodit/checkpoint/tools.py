@@ -20,7 +20,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from videodit.checkpoint import (EXPORT_MARK, describe_os_error, STAGING_PREFIX, LoadedCheckpoint, _fsync, _warn,
+from videodit.checkpoint.io import (EXPORT_MARK, describe_os_error, STAGING_PREFIX, LoadedCheckpoint, _fsync, _warn,
                                  best_checkpoints, list_checkpoints, read_events, read_manifest, verify_checkpoint,
                                  write_safetensors)
 from videodit.errors import UserError

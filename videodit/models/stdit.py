@@ -8,7 +8,7 @@ cross-attends to the caption tokens. The diffusion time (plus fps) conditions ev
 through one shared adaLN projection (adaLN-single) and a learned per-block table.
 
 This file is pure: no torch.distributed. Parallelism and activation checkpointing are
-applied from outside (``videodit.parallel``, ``videodit.memory``).
+applied from outside (``videodit.parallel``, ``videodit.planner``).
 """
 
 from __future__ import annotations

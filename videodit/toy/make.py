@@ -3,7 +3,7 @@
 Every clip is described by a three-word grammar, ``a {colour} {shape} moving
 {direction}``. Six (colour, shape, direction) combinations (``HELDOUT``) never appear
 in training, so a model that generates them correctly has learned to compose the
-words rather than memorise clips. ``videodit.eval.toy_metrics`` measures colour and
+words rather than memorise clips. ``videodit.toy.metrics`` measures colour and
 direction of generated clips to score exactly that.
 
 Layout written by ``make_toy_dataset(out_dir)``::
@@ -27,7 +27,10 @@ import numpy as np
 
 from videodit.data.metadata import write_csv
 from videodit.data.video import IMAGE_FPS, write_video
+from videodit.config import Config
 from videodit.errors import UserError
+from videodit.toy.vocabulary import (COLOURS, DIRECTIONS, HELDOUT, SHAPES, all_combinations, caption,
+                                     parse_caption, seen_combinations)
 
 __all__ = [
     "COLOURS",
@@ -43,27 +46,6 @@ __all__ = [
     "make_toy_dataset",
 ]
 
-COLOURS: dict[str, tuple[int, int, int]] = {
-    "red": (255, 0, 0),
-    "green": (0, 255, 0),
-    "blue": (0, 0, 255),
-    "yellow": (255, 255, 0),
-    "white": (255, 255, 255),
-}
-SHAPES = ("circle", "square", "triangle")
-DIRECTIONS = ("left", "right", "up", "down")
-
-# Never used for training; each colour, shape and direction still appears in other
-# training combinations, so these test composition rather than unseen words.
-HELDOUT = (
-    ("red", "circle", "left"),
-    ("green", "square", "up"),
-    ("blue", "triangle", "right"),
-    ("yellow", "circle", "down"),
-    ("white", "triangle", "left"),
-    ("red", "square", "down"),
-)
-
 CSV_COLUMNS = ("path", "text", "num_frames", "height", "width", "aspect_ratio", "fps")
 
 # (row step, column step) per direction: "up" decreases the row index, "left" the column.
@@ -76,42 +58,6 @@ _TRAVEL_FRACTION = (0.40, 0.50)
 _MIN_SIDE = 8  # smaller frames leave no room for a visible shape to move
 
 _VAL_CLIPS_PER_SEEN = 2
-
-
-# --------------------------------------------------------------------------- grammar
-
-
-def caption(colour: str, shape: str, direction: str) -> str:
-    """The caption for one clip, e.g. ``"a red circle moving left"``."""
-    return f"a {colour} {shape} moving {direction}"
-
-
-def parse_caption(text: str) -> tuple[str, str, str]:
-    """Invert ``caption``: ``"a red circle moving left"`` -> ``("red", "circle", "left")``.
-
-    Case and surrounding/repeated whitespace are ignored; anything outside the grammar
-    raises ``UserError``.
-    """
-    words = text.lower().split()
-    if (len(words) == 5 and words[0] == "a" and words[3] == "moving"
-            and words[1] in COLOURS and words[2] in SHAPES and words[4] in DIRECTIONS):
-        return words[1], words[2], words[4]
-    raise UserError(
-        f"caption {text!r} is not in the toy grammar 'a <colour> <shape> moving <direction>' "
-        f"with colour in {sorted(COLOURS)}, shape in {list(SHAPES)}, "
-        f"direction in {list(DIRECTIONS)}"
-    )
-
-
-def all_combinations() -> list[tuple[str, str, str]]:
-    """All 60 (colour, shape, direction) triples in a fixed order."""
-    return list(itertools.product(COLOURS, SHAPES, DIRECTIONS))
-
-
-def seen_combinations() -> list[tuple[str, str, str]]:
-    """The 54 triples used for training: ``all_combinations()`` minus ``HELDOUT``."""
-    heldout = set(HELDOUT)
-    return [combo for combo in all_combinations() if combo not in heldout]
 
 
 # --------------------------------------------------------------------------- rendering
@@ -330,3 +276,13 @@ def _write_clip(out_dir: Path, job: dict, num_frames: int, fps: float, seed: int
     return row
 
 
+def ensure_toy_data(cfg: Config) -> None:
+    """Generate the toy dataset for a toy config (its CSV is a missing ``train.csv``)."""
+    csv = Path(cfg.data.csv)
+    if csv.exists() or not cfg.data.make_toy_if_missing or csv.name != "train.csv":
+        return
+    print(f"generating the toy dataset in {csv.parent} ...", flush=True)
+    toy = cfg.toy
+    make_toy_dataset(csv.parent, clips_per_combination=toy.clips_per_combination, num_frames=toy.num_frames,
+                     fps=toy.fps, sizes=[tuple(size) for size in toy.sizes], image_fraction=toy.image_fraction,
+                     seed=cfg.train.seed)

@@ -7,9 +7,8 @@ held-out combinations separately.
 
 from __future__ import annotations
 
-from videodit.data.toy import HELDOUT, all_combinations, caption
-from videodit.eval.toy_metrics import measure_clip, score
-from videodit.sample import Pipeline
+from videodit.toy.vocabulary import HELDOUT, all_combinations, caption
+from videodit.toy.metrics import measure_clip, score
 
 
 def toy_prompts(n: int) -> list[tuple[str, str, str]]:
@@ -18,8 +17,10 @@ def toy_prompts(n: int) -> list[tuple[str, str, str]]:
     return [combos[i % len(combos)] for i in range(n)]
 
 
-def evaluate(pipeline: Pipeline, n: int = 60, seed: int = 0, steps: int | None = None,
+def evaluate(pipeline, n: int = 60, seed: int = 0, steps: int | None = None,
              guidance: float | None = None, fps: float | None = None) -> dict:
+    """Score ``pipeline`` (a ``videodit.sample.Pipeline``, or anything called the same way
+    with a ``checkpoint`` attribute) on ``n`` toy prompts."""
     combos = toy_prompts(n)
     clips = pipeline([caption(*c) for c in combos], steps=steps, guidance=guidance, fps=fps, seed=seed)
     results = []
