@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from videodit.checkpoint.io import CheckpointManager, _fsync
+from videodit.checkpoint import CheckpointManager
+from videodit.checkpoint.writer import fsync_path
 from videodit.components import model_geometry
 from videodit.config import load_config, to_yaml
 from videodit.models.stdit import STDiT
@@ -76,8 +77,8 @@ def raw_save(out: Path, payload: dict, fsync: bool) -> None:
         files.append(out / f"{stem}.safetensors")
     if fsync:
         for file in files:
-            _fsync(file)
-        _fsync(out)
+            fsync_path(file)
+        fsync_path(out)
 
 
 def payload_bytes(payload: dict) -> int:

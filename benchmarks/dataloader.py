@@ -66,8 +66,8 @@ def pipeline_decode(csv: str, frames: int, size: int, batch_size: int, workers: 
     data = build_training_data(cfg.data, batch_size=cfg.train.batch_size, seed=0)
     clips = delivered = 0
     for batch in data.loader:
-        video = batch["video"]   # [B, C, T, H, W]
-        assert video.shape[1:] == (3, frames, size, size) and not batch["failed"], video.shape
+        video = batch.video   # [B, C, T, H, W]
+        assert video.shape[1:] == (3, frames, size, size) and not batch.failed, video.shape
         clips += video.shape[0]
         delivered += video.shape[0] * video.shape[2]
     return clips, delivered

@@ -147,10 +147,10 @@ def worker(rank: int, world: int, port: int, args, layout: list[str], result_fil
     grads = []
     trainer.optimizer.register_step_pre_hook(
         lambda *_: grads.append(sum(_bytes(p.grad) for p in trainer.model.parameters() if p.grad is not None)))
-    if isinstance(trainer.train_module, DistributedDataParallel):
+    if isinstance(trainer.parallel.module, DistributedDataParallel):
         # Its reducer calls C++ directly; the same all-reduce through Python is counted.
-        trainer.train_module.register_comm_hook(None, allreduce_hook)
-    batches = trainer._batches()
+        trainer.parallel.module.register_comm_hook(None, allreduce_hook)
+    batches = trainer.batches()
     trainer.train_step([next(batches)])   # warm-up: schedules, buffers, allocator
     batch = next(batches)
     dist.barrier()

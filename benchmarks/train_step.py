@@ -25,12 +25,12 @@ from videodit.train.trainer import Trainer
 
 
 def minimal_step(model, optimizer, vae, text, batch, generator):
-    x0 = vae.encode(batch["video"])
-    y, mask = text.encode(batch["text"])
+    x0 = vae.encode(batch.video)
+    y, mask = text.encode(batch.text)
     t = torch.sigmoid(torch.randn(x0.shape[0], generator=generator))
     noise = torch.randn(x0.shape, generator=generator)
     x_t = (1 - t.view(-1, 1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1, 1) * noise
-    loss = F.mse_loss(model(x_t, t, y, mask, batch["fps"]), noise - x0)
+    loss = F.mse_loss(model(x_t, t, y, mask, batch.fps), noise - x0)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
@@ -53,7 +53,7 @@ def main() -> None:
         overrides.append(f"model.preset={args.preset}")
         cfg = load_config("tiny", overrides)
         trainer = Trainer(cfg, Path(tmp) / "run")
-        batch = next(trainer._batches())
+        batch = next(trainer.batches())
         model = type(trainer.model)(trainer.model.geometry)
         model.load_state_dict(trainer.model.state_dict())
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)

@@ -17,10 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import videodit.checkpoint.io as ckpt_mod
-from videodit.checkpoint.io import (CheckpointManager, LoadedCheckpoint, list_checkpoints, resolve_checkpoint,
-                                 save_checkpoint, verify_checkpoint, write_safetensors)
-from videodit.checkpoint.tools import export, format_inspect, format_list, inspect, list_run
+from videodit.checkpoint import (CheckpointManager, LoadedCheckpoint, export, format_inspect, format_list, inspect,
+                                 list_checkpoints, list_run, resolve_checkpoint, save_checkpoint, verify_checkpoint,
+                                 write_checkpoint, write_safetensors)
 from videodit.errors import UserError
 
 
@@ -88,9 +87,10 @@ def test_an_interrupted_save_leaves_nothing_that_looks_complete(tmp_path, monkey
     manager = CheckpointManager(run)
     manager.save(1, **fake_state(1))
 
-    def crash(*args, **kwargs):
+    def crash(state, file, *args, **kwargs):
+        file.write(b"\x80" * 1000)
         raise KeyboardInterrupt   # the process dies in the middle of the optimizer file
-    monkeypatch.setattr(ckpt_mod, "_write_torch", crash)
+    monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
         manager.save(2, **fake_state(2))
     assert steps(run) == [1] and leftovers(run) == [] and events(run, "save")[-1]["step"] == 1
@@ -153,7 +153,7 @@ def test_cleanup_staging_removes_only_dead_or_own_leftovers(tmp_path):
 
 def test_should_save_every_steps_and_every_minutes(tmp_path, monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr(ckpt_mod.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     by_steps = CheckpointManager(tmp_path / "a", every_steps=5)
     assert [s for s in range(1, 16) if by_steps.should_save(s)] == [5, 10, 15]
     by_time = CheckpointManager(tmp_path / "b", every_minutes=2)
@@ -389,23 +389,22 @@ def test_async_saves_reuse_their_cpu_buffers(tmp_path):
     state = fake_state(1)
     manager.save(1, **state, blocking=False)
     manager.wait()
-    pointers = {key: buffer.data_ptr() for key, buffer in manager._snapshot.buffers.items()}
+    pointers = {key: buffer.data_ptr() for key, buffer in manager.snapshot_buffers.items()}
     assert len(pointers) == 3 + 3 + 1 + 4
     weight = state["tensors"]["model"]["blocks.0.weight"]
     weight.add_(1)
     manager.save(2, **state, blocking=False)
     manager.wait()
-    assert {key: buffer.data_ptr() for key, buffer in manager._snapshot.buffers.items()} == pointers
+    assert {key: buffer.data_ptr() for key, buffer in manager.snapshot_buffers.items()} == pointers
     assert torch.equal(LoadedCheckpoint(tmp_path / "run").tensors("model")["blocks.0.weight"], weight)
     del state["tensors"]["ema"]
     manager.save(3, **state, blocking=False)
     manager.release_buffers()
-    assert manager._snapshot.buffers == {} and not LoadedCheckpoint(tmp_path / "run").has("ema")
+    assert manager.snapshot_buffers == {} and not LoadedCheckpoint(tmp_path / "run").has("ema")
 
 
-def test_at_most_one_async_save_in_flight(tmp_path, monkeypatch):
+def test_at_most_one_async_save_in_flight(tmp_path):
     active, peak, lock = [0], [0], threading.Lock()
-    real = ckpt_mod._write_checkpoint
 
     def slow(*args, **kwargs):
         with lock:
@@ -413,13 +412,12 @@ def test_at_most_one_async_save_in_flight(tmp_path, monkeypatch):
             peak[0] = max(peak[0], active[0])
         time.sleep(0.3)
         try:
-            return real(*args, **kwargs)
+            return write_checkpoint(*args, **kwargs)
         finally:
             with lock:
                 active[0] -= 1
-    monkeypatch.setattr(ckpt_mod, "_write_checkpoint", slow)
     run = tmp_path / "run"
-    manager = CheckpointManager(run, save_total_limit=2)
+    manager = CheckpointManager(run, save_total_limit=2, writer=slow)
     started = time.perf_counter()
     manager.save(1, **fake_state(1), blocking=False)
     assert time.perf_counter() - started < 0.25 and manager.in_flight   # returned before the write
@@ -456,14 +454,12 @@ def test_a_process_that_exits_without_wait_still_completes_its_async_save(tmp_pa
     script = f"""
 import sys, time
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-import videodit.checkpoint.io as ckpt_mod
+from videodit.checkpoint import CheckpointManager, write_checkpoint
 from test_checkpoint import fake_state
-real = ckpt_mod._write_checkpoint
 def slow(*args, **kwargs):
     time.sleep(0.3)   # still writing when the main thread returns
-    return real(*args, **kwargs)
-ckpt_mod._write_checkpoint = slow
-ckpt_mod.CheckpointManager({str(tmp_path / "run")!r}).save(1, **fake_state(1), blocking=False)
+    return write_checkpoint(*args, **kwargs)
+CheckpointManager({str(tmp_path / "run")!r}, writer=slow).save(1, **fake_state(1), blocking=False)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -507,6 +503,8 @@ def test_export_and_sample_from_the_export(tmp_path):
 
     from videodit.components import build_encoders, build_model
     from videodit.config import from_dict
+    from videodit.models import load_pretrained
+    from videodit.models.stdit import geometry_config
     from videodit.sample import Pipeline
 
     config_yaml = tiny_config_yaml()
@@ -520,12 +518,14 @@ def test_export_and_sample_from_the_export(tmp_path):
                                 json_state={"step": 12, "epoch": 0}, config_yaml=config_yaml)
 
     out = export(run, tmp_path / "export", use_ema=True)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "export.json", "model.safetensors",
+                                                     "run_config.yaml"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".staging")]
-    config = json.loads((out / "config.json").read_text())
-    assert config["videodit_export"] == {"step": 12, "weights": "ema", "dtype": "fp32",
-                                         "source": str(run / "checkpoints" / "step-0000012")}
-    assert config["model"] == yaml.safe_load(config_yaml)["model"]
+    assert json.loads((out / "export.json").read_text()) == {"step": 12, "weights": "ema", "dtype": "fp32",
+                                                             "source": str(run / "checkpoints" / "step-0000012")}
+    # config.json holds the model's arguments only, and load_pretrained rebuilds the model from it.
+    assert json.loads((out / "config.json").read_text()) == json.loads(json.dumps(geometry_config(model.geometry)))
+    assert all(torch.equal(load_pretrained(out).state_dict()[k], ema[k]) for k in ema)
     weights = load_file(str(out / "model.safetensors"))
     assert all(torch.equal(weights[k], ema[k]) for k in ema)
 
@@ -545,12 +545,37 @@ def test_export_and_sample_from_the_export(tmp_path):
 
     half = export(run, tmp_path / "half", dtype="bf16")
     assert {v.dtype for v in load_file(str(half / "model.safetensors")).values()} == {torch.bfloat16}
-    assert json.loads((half / "config.json").read_text())["videodit_export"]["weights"] == "model"
+    assert json.loads((half / "export.json").read_text())["weights"] == "model"
     Pipeline(half, device="cpu")   # bf16 weights load into the fp32 model
     with pytest.raises(UserError, match="already exists and is not empty"):
         export(run, out)
     with pytest.raises(UserError, match="not an export dtype"):
         export(run, tmp_path / "x", dtype="int8")
+
+
+def test_an_export_written_before_model_folders_still_samples(tmp_path):
+    """Exports used to be config.json = the run's config + a ``videodit_export`` record."""
+    import yaml
+
+    from videodit.components import build_encoders, build_model
+    from videodit.config import from_dict
+    from videodit.sample import Pipeline
+
+    config_yaml = tiny_config_yaml()
+    cfg = from_dict(yaml.safe_load(config_yaml))
+    torch.manual_seed(0)
+    model = build_model(cfg, *build_encoders(cfg, torch.device("cpu")))
+    old = tmp_path / "old-export"
+    old.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(old / "model.safetensors"))
+    record = {"step": 7, "weights": "ema", "dtype": "fp32", "source": "somewhere"}
+    (old / "config.json").write_text(json.dumps({**yaml.safe_load(config_yaml), "videodit_export": record}))
+    loaded = LoadedCheckpoint(old)
+    assert loaded.is_export and not loaded.is_model_folder and loaded.step == 7
+    assert yaml.safe_load(loaded.config_yaml()) == yaml.safe_load(config_yaml)
+    assert inspect(old)["export"] == record
+    pipeline = Pipeline(old, device="cpu")
+    assert all(torch.equal(pipeline.model.state_dict()[k], v) for k, v in model.state_dict().items())
 
 
 def odd_tensors():

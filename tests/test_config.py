@@ -1,6 +1,8 @@
 import pytest
 
+from videodit.cli import main
 from videodit.config import MODEL_PRESETS, builtin_presets, from_dict, load_config, parse_override, to_yaml
+from videodit.data.buckets import parse_bucket_config, resolve_bucket_config
 from videodit.errors import UserError
 import yaml
 
@@ -80,3 +82,15 @@ def test_checkpointing_aliases(alias, expected):
 def test_checkpointing_alias_conflict_is_one_line():
     with pytest.raises(UserError, match="conflicts with grad_checkpoint=true"):
         load_config("tiny", ["grad_checkpoint=true", "memory.checkpointing=selective"])
+
+
+def test_bad_bucket_config_is_one_line_where_the_data_is_built(capsys):
+    # load_config leaves data.bucket_config to the data package (config does not import data/).
+    cfg = load_config("tiny", ["data.bucket_config={'999p': {1: [1.0, 2]}}"])
+    with pytest.raises(UserError) as info:
+        parse_bucket_config(resolve_bucket_config(cfg.data))
+    assert "unknown resolution '999p' in bucket_config" in str(info.value)
+    assert "\n" not in str(info.value)
+    assert main(["config", "show", "tiny", "data.bucket_config={'999p': {1: [1.0, 2]}}"]) == 2
+    captured = capsys.readouterr()
+    assert "unknown resolution '999p'" in captured.err and captured.out == ""

@@ -48,13 +48,13 @@ def test_bucketed_training_uses_every_bucket_shape(mixed_toy, tmp_path):
                                                             "train.max_steps": 12}))
     trainer = Trainer(cfg, tmp_path / "run")
     shapes = set()
-    original = trainer.loss
+    original = trainer.prepare
 
-    def recording_loss(batch):
-        shapes.add(tuple(batch["video"].shape[2:]))
+    def recording_prepare(batch):
+        shapes.add(tuple(batch.video.shape[2:]))
         return original(batch)
 
-    trainer.loss = recording_loss
+    trainer.prepare = recording_prepare
     trainer.fit()
     assert {(1, 24, 24), (4, 24, 24), (1, 16, 16), (4, 16, 16)} <= shapes
 

@@ -53,7 +53,7 @@ def run_layouts(toy_dir, tmp_path, nproc: int, runs: dict[str, list[str]]) -> di
 
 def single_process(overrides: list[str], run_dir: Path) -> tuple[dict, list[float]]:
     trainer = Trainer(load_config("tiny", overrides), run_dir)
-    batches = trainer._batches()
+    batches = trainer.batches()
     accum = trainer.cfg.train.grad_accum
     losses = [trainer.train_step([next(batches) for _ in range(accum)])[0] for _ in range(STEPS)]
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, losses

@@ -180,7 +180,7 @@ def test_trainer_steps_with_memory_levers(toy_dir, tmp_path, levers, checkpointe
     wrapped = [i for i, b in enumerate(blocks) if hasattr(b, "saved_tensor_stats")]
     compressing = cfg.memory.compression != "none"
     assert wrapped == ([i for i in range(len(blocks)) if i not in checkpointed] if compressing else [])
-    loss, grad_norm = trainer.train_step([next(trainer._batches())])
+    loss, grad_norm = trainer.train_step([next(trainer.batches())])
     assert math.isfinite(loss) and math.isfinite(grad_norm)
     stats = saved_tensor_stats(trainer.model)
     assert (stats.packed > 0) == compressing

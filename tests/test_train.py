@@ -72,7 +72,7 @@ def test_activation_checkpointing_gives_the_same_gradients(toy_dir, tmp_path, mo
                                                             "train.seed": 1}))
         trainer = Trainer(cfg, tmp_path / f"ac{ac}")
         torch.nn.init.normal_(trainer.model.final_layer.proj.weight, std=0.02)
-        batch = next(trainer._batches())
+        batch = next(trainer.batches())
         trainer.loss(batch).backward()
         return {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
 
@@ -136,8 +136,8 @@ def test_validation_loss_is_fixed_and_ranks_checkpoints(toy_dir, tmp_path):
                                            "checkpoint.every_steps": 2, "checkpoint.keep_best": 1,
                                            "checkpoint.save_total_limit": 1})
     trainer = Trainer(load_config("tiny", overrides), tmp_path / "run")
-    first = trainer.validator.evaluate(trainer.model, trainer.vae, trainer.text, trainer.flow, trainer._autocast)
-    again = trainer.validator.evaluate(trainer.model, trainer.vae, trainer.text, trainer.flow, trainer._autocast)
+    first = trainer.validator.evaluate(trainer.model, trainer.vae, trainer.text, trainer.flow, trainer.parallel.autocast)
+    again = trainer.validator.evaluate(trainer.model, trainer.vae, trainer.text, trainer.flow, trainer.parallel.autocast)
     assert first == again and "val_loss" in first and any(k.startswith("val_loss/4x16x16") for k in first)
     assert torch.is_grad_enabled()
     trainer.fit()

@@ -96,9 +96,15 @@ def _read_prompts(ns) -> list[str]:
 
 def cmd_config_show(ns) -> int:
     from videodit.config import load_config, to_yaml
+    from videodit.data.buckets.config import parse_bucket_config, resolve_bucket_config
 
     config, overrides = _split_config_args(ns.args)
-    print(to_yaml(load_config(config, overrides)), end="")
+    cfg = load_config(config, overrides)
+    # load_config leaves data.bucket_config to the data package; check it before printing.
+    bucket_config = resolve_bucket_config(cfg.data)
+    if bucket_config is not None:
+        parse_bucket_config(bucket_config)
+    print(to_yaml(cfg), end="")
     return 0
 
 
@@ -167,7 +173,7 @@ def cmd_data_filter(ns) -> int:
 def cmd_buckets(ns) -> int:
     import yaml
 
-    from videodit.data.buckets import load_opensora_bucket_config, parse_bucket_config
+    from videodit.data.buckets.config import load_opensora_bucket_config, parse_bucket_config
 
     if ns.from_opensora:
         config = load_opensora_bucket_config(ns.from_opensora)
@@ -183,7 +189,7 @@ def cmd_buckets(ns) -> int:
         overrides = []
 
     from videodit.config import load_config
-    from videodit.data.loader import BucketPlan
+    from videodit.data.buckets.plan import BucketPlan
     from videodit.data.metadata import read_metadata
     from videodit.data.bucket_report import bucket_report, format_report
 
@@ -286,13 +292,11 @@ def cmd_plan(ns) -> int:
 
 
 def cmd_tune(ns) -> int:
-    import tempfile
-
     from videodit.config import load_config
     from videodit.planner.plan import bucket_rows, equalise_step_time, plan_buckets, written_bucket_config
     from videodit.planner.report import gib, plan_summary, write_bucket_config
-    from videodit.planner.tune import GpuTrials, require_gpu, search_max_batch
-    from videodit.train.trainer import Trainer
+    from videodit.planner.tune import require_gpu
+    from videodit.train.tune import tune_buckets
 
     require_gpu()
     config, overrides = _split_config_args(ns.args)
@@ -301,29 +305,19 @@ def cmd_tune(ns) -> int:
         import torch
         ns.gpu_mem = str(torch.cuda.get_device_properties(0).total_memory)
     planner, gpu = _planner(ns, cfg)
-    plans = plan_buckets(planner, bucket_rows(cfg))
-    with tempfile.TemporaryDirectory() as run_dir:
-        trainer = Trainer(cfg, run_dir)
-        trials = GpuTrials(trainer, ns.steps, planner.budget)
-        print(plan_summary(planner, gpu))
-        print(f"{'resolution':<11}{'frames':>7}{'planned max':>12}{'tuned max':>10}{'peak GiB':>9}"
-              f"{'predicted GiB':>14}{'step s':>8}")
-        for p in plans:
-            label = f"{p.resolution}/{p.num_frames}"
-            p.max_batch_size = search_max_batch(
-                lambda b: trials.fits(label, b, p.num_frames, p.height, p.width),
-                start=max(p.max_batch_size, 1), multiple=planner.batch_multiple)
-            p.batch_size = p.max_batch_size
-            best = max((t for name, t in trials.log if name == label and t.fits), key=lambda t: t.batch, default=None)
-            predicted = planner.estimate(max(p.batch_size, 1), p.num_frames, p.height, p.width).peak
-            print(f"{p.resolution:<11}{p.num_frames:>7}{planner.max_batch(p.num_frames, p.height, p.width):>12}"
-                  f"{p.max_batch_size:>10}{gib(best.peak_bytes) if best else '-':>9}{gib(predicted):>14}"
-                  f"{best.step_seconds if best else float('nan'):>8.3f}", flush=True)
-        trainer.ctx.close()
+    fits = plan_buckets(planner, bucket_rows(cfg))
+    print(plan_summary(planner, gpu))
+    print(f"{'resolution':<11}{'frames':>7}{'planned max':>12}{'tuned max':>10}{'peak GiB':>9}"
+          f"{'predicted GiB':>14}{'step s':>8}")
+    for tuned in tune_buckets(cfg, planner, fits, ns.steps):
+        p, best = tuned.fit, tuned.best
+        print(f"{p.resolution:<11}{p.num_frames:>7}{tuned.planned_max:>12}{p.max_batch_size:>10}"
+              f"{gib(best.peak_bytes) if best else '-':>9}{gib(tuned.predicted_peak):>14}"
+              f"{best.step_seconds if best else float('nan'):>8.3f}", flush=True)
     if ns.equal_step_time:
-        equalise_step_time(planner, plans)
+        equalise_step_time(planner, fits)
     if ns.write_bucket_config:
-        write_bucket_config(ns.write_bucket_config, written_bucket_config(cfg, plans),
+        write_bucket_config(ns.write_bucket_config, written_bucket_config(cfg, fits),
                             f"videodit tune: {plan_summary(planner, gpu)}")
         print(f"bucket_config written to {ns.write_bucket_config} (data.bucket_config_file)")
     return 0

@@ -64,16 +64,20 @@ class Pipeline:
     def __init__(self, ckpt_path: str | Path, device: str = "auto", use_ema: bool = True):
         from videodit.checkpoint import LoadedCheckpoint
         from videodit.components import build_encoders, build_model
-        from videodit.parallel.distributed import pick_device
         from videodit.config import from_dict
+        from videodit.models import load_pretrained
+        from videodit.parallel.distributed import pick_device
 
         ckpt = LoadedCheckpoint(ckpt_path)
         self.cfg = from_dict(yaml.safe_load(ckpt.config_yaml()))
         self.device = pick_device(device)
         self.vae, self.text = build_encoders(self.cfg, self.device)
-        self.model = build_model(self.cfg, self.vae, self.text)
         stem = "ema" if use_ema and ckpt.has("ema") else "model"
-        self.model.load_state_dict(ckpt.tensors(stem))
+        if ckpt.is_model_folder:   # an export: config.json (the model's arguments) + model.safetensors
+            self.model = load_pretrained(ckpt.path, self.device)
+        else:
+            self.model = build_model(self.cfg, self.vae, self.text)
+            self.model.load_state_dict(ckpt.tensors(stem))
         self.model.to(self.device).eval()
         self.flow = RectifiedFlow(self.cfg.diffusion)
         self.checkpoint = ckpt.path

@@ -20,13 +20,13 @@ from videodit.train.trainer import Trainer
 def train(name: str, overrides: list[str], steps: int, out: Path) -> None:
     cfg = load_config("tiny", overrides)
     trainer = Trainer(cfg, out / name)
-    batches = trainer._batches()
+    batches = trainer.batches()
     losses, keys = [], []
     for _ in range(steps):
         micro = [next(batches) for _ in range(cfg.train.grad_accum)]
-        keys.append([batch["noise_seed"] for batch in micro] + [str(batch["video"].shape) for batch in micro])
+        keys.append([batch.noise_seed for batch in micro] + [str(batch.video.shape) for batch in micro])
         losses.append(trainer.train_step(micro)[0])
-    weights = trainer._whole(trainer.model.state_dict())   # every shard and pipeline stage
+    weights = trainer.state.gather(trainer.model.state_dict())   # every shard and pipeline stage
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, keys)
     if dist.get_rank() == 0:

@@ -1,10 +1,23 @@
-"""Checkpoint files: writing, verifying, loading and retaining them (``io.py``, the manager),
-and the ``videodit ckpt`` tools (list, inspect, export). It knows files, not training: what a
-training checkpoint holds is ``train/state.py``'s business."""
+"""Checkpoint files: writing, verifying, loading and retaining them, and the ``videodit ckpt``
+tools (list, inspect, export). It knows files, not training: what a training checkpoint holds
+is ``train/state.py``'s business.
 
-from videodit.checkpoint.io import (CheckpointManager, LoadedCheckpoint, checkpoint_name, list_checkpoints,
-                                    resolve_checkpoint)
+Modules, each importing only the ones above it:
+
+    writer.py   checked, hashed, fsynced file writes; the safetensors encoder
+    io.py       the folder format: names, write/save, manifests, verification
+    loaded.py   LoadedCheckpoint: reading a checkpoint or an export folder
+    manager.py  CheckpointManager: when to save, retention, event log, async saves
+    tools.py    ckpt list / inspect / export
+"""
+
+from videodit.checkpoint.io import (checkpoint_name, list_checkpoints, resolve_checkpoint, save_checkpoint,
+                                    verify_checkpoint, write_checkpoint)
+from videodit.checkpoint.loaded import LoadedCheckpoint
+from videodit.checkpoint.manager import CheckpointManager
 from videodit.checkpoint.tools import export, format_inspect, format_list, inspect, list_run
+from videodit.checkpoint.writer import write_safetensors
 
 __all__ = ["CheckpointManager", "LoadedCheckpoint", "checkpoint_name", "export", "format_inspect", "format_list",
-           "inspect", "list_checkpoints", "list_run", "resolve_checkpoint"]
+           "inspect", "list_checkpoints", "list_run", "resolve_checkpoint", "save_checkpoint", "verify_checkpoint",
+           "write_checkpoint", "write_safetensors"]

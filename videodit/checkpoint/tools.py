@@ -20,10 +20,15 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from videodit.checkpoint.io import (EXPORT_MARK, describe_os_error, STAGING_PREFIX, LoadedCheckpoint, _fsync, _warn,
-                                 best_checkpoints, list_checkpoints, read_events, read_manifest, verify_checkpoint,
-                                 write_safetensors)
+from videodit.checkpoint.io import (EXPORT_RECORD, EXPORT_RUN_CONFIG, STAGING_PREFIX, describe_os_error,
+                                    list_checkpoints, read_manifest, verify_checkpoint, warn)
+from videodit.checkpoint.loaded import LoadedCheckpoint
+from videodit.checkpoint.manager import best_checkpoints, read_events
+from videodit.checkpoint.writer import fsync_path, write_safetensors
+from videodit.components import model_geometry
+from videodit.config import from_dict
 from videodit.errors import UserError
+from videodit.models.stdit import DiTGeometry, geometry_config
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -145,7 +150,7 @@ def inspect(ckpt: str | Path) -> dict:
             "step": loaded.step, "manifest": loaded.manifest, "metrics": loaded.metrics}
     if loaded.is_export:
         info["state"] = None
-        info["export"] = loaded.export_config.get(EXPORT_MARK) or {}
+        info["export"] = loaded.export_info
     else:
         try:
             state = loaded.json_state()
@@ -153,8 +158,8 @@ def inspect(ckpt: str | Path) -> dict:
             state = {}
         scheduler = state.get("scheduler") if isinstance(state.get("scheduler"), dict) else {}
         info["state"] = {"step": state.get("step"), "epoch": state.get("epoch"),
-                         "data_offset": (state.get("data") or {}).get("offset"), "lr": (scheduler.get("_last_lr") or [None])[0],
-                         "keys": sorted(state)}
+                         "data_offset": (state.get("data") or {}).get("offset"),
+                         "lr": (scheduler.get("_last_lr") or [None])[0], "keys": sorted(state)}
     config = yaml.safe_load(loaded.config_yaml()) or {}
     model = config.get("model") if isinstance(config.get("model"), dict) else {}
     info["model_config"] = {k: model.get(k) for k in ("preset", "depth", "hidden_size", "num_heads", "patch_size")
@@ -208,12 +213,14 @@ def format_inspect(info: dict, max_tensors: int = 12) -> str:
 
 
 def export(ckpt: str | Path, out_dir: str | Path, use_ema: bool = False, dtype: str = "fp32") -> Path:
-    """Write ``out_dir/model.safetensors`` + ``out_dir/config.json`` for sampling, atomically.
+    """Write a model folder for sampling, atomically: ``config.json`` (the model's arguments,
+    as ``STDiT.save_pretrained`` writes it; ``videodit.models.load_pretrained`` reads it),
+    ``model.safetensors``, the run's config (``run_config.yaml``: encoders, sampling defaults)
+    and ``export.json`` (step, weights, dtype, source).
 
     ``use_ema`` takes the EMA weights when the checkpoint has them (else the model weights,
     with a warning); floating-point tensors are cast to ``dtype`` (fp32, bf16, fp16).
-    ``config.json`` is the checkpoint's config plus ``{"videodit_export": {step, weights, dtype,
-    source}}``. ``out_dir`` must not exist or be empty; nothing is left behind on failure.
+    ``out_dir`` must not exist or be empty; nothing is left behind on failure.
     """
     if dtype not in EXPORT_DTYPES:
         raise UserError(f"dtype={dtype!r} is not an export dtype; choose one of: {', '.join(EXPORT_DTYPES)}")
@@ -223,7 +230,7 @@ def export(ckpt: str | Path, out_dir: str | Path, use_ema: bool = False, dtype: 
     loaded = LoadedCheckpoint(ckpt)
     weights = "ema" if use_ema and loaded.has("ema") else "model"
     if use_ema and weights == "model":
-        _warn(f"{loaded.path} has no EMA weights; exporting the model weights")
+        warn(f"{loaded.path} has no EMA weights; exporting the model weights")
     if not loaded.is_export:
         problem = verify_checkpoint(loaded.path, [f for f in ("model.safetensors", f"{weights}.safetensors",
                                                               "config.yaml") if f in loaded.manifest["files"]])
@@ -234,8 +241,11 @@ def export(ckpt: str | Path, out_dir: str | Path, use_ema: bool = False, dtype: 
         tensors.update(loaded.tensors("ema"))   # EMA covers the parameters; buffers come from the model
     target = EXPORT_DTYPES[dtype]
     tensors = {k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()}
-    config = yaml.safe_load(loaded.config_yaml()) or {}
-    config[EXPORT_MARK] = {"step": loaded.step, "weights": weights, "dtype": dtype, "source": str(loaded.path)}
+    run_config = loaded.config_yaml()
+    files = {"config.json": json.dumps(geometry_config(_geometry(run_config, tensors)), indent=1) + "\n",
+             EXPORT_RUN_CONFIG: run_config,
+             EXPORT_RECORD: json.dumps({"step": loaded.step, "weights": weights, "dtype": dtype,
+                                        "source": str(loaded.path)}, indent=1) + "\n"}
 
     parent = out_dir.parent
     staging = parent / f"{STAGING_PREFIX}{out_dir.name}-{os.getpid()}"
@@ -244,14 +254,14 @@ def export(ckpt: str | Path, out_dir: str | Path, use_ema: bool = False, dtype: 
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         write_safetensors(staging / "model.safetensors", tensors, {"format": "pt"})
-        text = json.dumps(config, indent=1)
-        with open(staging / "config.json", "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        _fsync(staging)
+        for name, text in files.items():
+            with open(staging / name, "w") as handle:
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+        fsync_path(staging)
         os.replace(staging, out_dir)   # onto a missing or empty folder
-        _fsync(parent)
+        fsync_path(parent)
     except OSError as exc:
         shutil.rmtree(staging, ignore_errors=True)
         what, kind = describe_os_error(exc)
@@ -264,3 +274,11 @@ def export(ckpt: str | Path, out_dir: str | Path, use_ema: bool = False, dtype: 
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+def _geometry(run_config: str, tensors: dict[str, torch.Tensor]) -> DiTGeometry:
+    """The model's arguments: sizes from the run's config, the encoders' widths from the
+    weights (so no encoder has to be loaded to export)."""
+    cfg = from_dict(yaml.safe_load(run_config) or {})
+    return model_geometry(cfg, latent_channels=tensors["patch_embed.weight"].shape[1],
+                          caption_channels=tensors["caption_embedder.null_caption"].shape[1])

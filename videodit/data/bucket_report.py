@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from videodit.data.buckets import DROP_REASON_TEXT, DropReason
-from videodit.data.loader import BucketPlan
+from videodit.data.buckets.assign import DROP_REASON_TEXT, DropReason
+from videodit.data.buckets.plan import BucketPlan
 from videodit.data.sampler import BucketBatchSampler
 
 

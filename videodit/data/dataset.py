@@ -9,6 +9,7 @@ sample (``failed``) so the trainer can count it, even from DataLoader workers.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,7 +22,7 @@ from videodit.data.video import VideoReadError, read_video
 from videodit.errors import UserError
 
 if TYPE_CHECKING:
-    from videodit.data.loader import BucketPlan
+    from videodit.data.buckets.plan import BucketPlan
 
 
 def sample_frame_indices(total: int, num_frames: int, interval: int, rng: np.random.Generator) -> np.ndarray:
@@ -94,13 +95,24 @@ class VideoDataset(Dataset):
         return int(members[rng.integers(len(members))])
 
 
-def collate(samples: list[dict]) -> dict:
-    return {
-        "video": torch.stack([s["video"] for s in samples]),
-        "text": [s["text"] for s in samples],
-        "fps": torch.tensor([s["fps"] for s in samples], dtype=torch.float32),
-        "failed": [f for s in samples for f in s["failed"]],
-    }
+@dataclass
+class Batch:
+    """One collated batch of training samples."""
+
+    video: torch.Tensor          # [B, C, T, H, W] in [-1, 1]
+    text: list[str]
+    fps: torch.Tensor            # [B] frames per second the model is told
+    failed: list[tuple[str, str]] = field(default_factory=list)   # (path, reason) of reads replaced
+    noise_seed: int = 0          # seeds the noise, timesteps and caption dropout (the trainer sets it)
+
+    def __len__(self) -> int:
+        return len(self.text)
+
+
+def collate(samples: list[dict]) -> Batch:
+    return Batch(video=torch.stack([s["video"] for s in samples]), text=[s["text"] for s in samples],
+                 fps=torch.tensor([s["fps"] for s in samples], dtype=torch.float32),
+                 failed=[f for s in samples for f in s["failed"]])
 
 
 class BadFileGuard:
@@ -113,9 +125,9 @@ class BadFileGuard:
         self.failures: Counter = Counter()
         self.reasons: dict[str, str] = {}
 
-    def update(self, batch: dict) -> None:
-        self.reads += len(batch["text"]) + len(batch["failed"])
-        for path, reason in batch["failed"]:
+    def update(self, batch: Batch) -> None:
+        self.reads += len(batch) + len(batch.failed)
+        for path, reason in batch.failed:
             self.failures[path] += 1
             self.reasons[path] = reason
         failed = sum(self.failures.values())

@@ -1,80 +1,19 @@
-"""Everything the trainer needs from the data: metadata, bucket plan, dataset, sampler, loader."""
+"""Assembly only: the training data (metadata, bucket plan, dataset, sampler, loader) and the
+fixed validation set, each built from a data config by the modules that own the parts."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
-import yaml
 from torch.utils.data import DataLoader
 
 from videodit.config import DataConfig
-from videodit.data.buckets import (Assignment, Bucket, assign_buckets, build_buckets,
-                                   load_opensora_bucket_config, parse_bucket_config)
+from videodit.data.buckets.plan import BucketPlan
 from videodit.data.dataset import VideoDataset, collate
 from videodit.data.metadata import Metadata, read_metadata
-from videodit.data.sampler import BucketBatchSampler, fingerprint
+from videodit.data.sampler import BucketBatchSampler
 from videodit.errors import UserError
-
-
-def resolve_bucket_config(data: DataConfig) -> dict | None:
-    """The bucket_config dict from ``data.bucket_config`` or ``data.bucket_config_file``."""
-    if data.bucket_config is not None:
-        return data.bucket_config
-    if data.bucket_config_file is None:
-        return None
-    path = Path(data.bucket_config_file)
-    if not path.is_file():
-        raise UserError(f"data.bucket_config_file {str(path)!r} does not exist")
-    if path.suffix == ".py":
-        return load_opensora_bucket_config(path)
-    loaded = yaml.safe_load(path.read_text())
-    if isinstance(loaded, dict) and "bucket_config" in loaded:
-        loaded = loaded["bucket_config"]
-    if not isinstance(loaded, dict):
-        raise UserError(f"{path} holds no bucket_config mapping")
-    return loaded
-
-
-class BucketPlan:
-    """The flat bucket table and, per epoch, which bucket each sample lands in.
-
-    Without a bucket_config there is one bucket, (data.num_frames, data.height,
-    data.width) at train.batch_size, and every sample lands in it.
-    """
-
-    def __init__(self, meta: Metadata, data: DataConfig, batch_size: int, seed: int):
-        self.meta = meta
-        self.seed = seed
-        self.frame_interval = data.frame_interval
-        self.config = resolve_bucket_config(data)
-        if self.config is not None:
-            self.config = parse_bucket_config(self.config)
-            self.buckets: tuple[Bucket, ...] = build_buckets(self.config)
-        else:
-            self.buckets = (Bucket("fixed", data.num_frames, "-", data.height, data.width, batch_size),)
-        self._frames = np.asarray(meta.num_frames)
-        self._heights = np.asarray(meta.heights)
-        self._widths = np.asarray(meta.widths)
-        self._cached: tuple[int, Assignment] | None = None
-        config_repr = self.config.to_dict() if self.config is not None else self.buckets
-        self.fingerprint = fingerprint(meta.paths, meta.num_frames, meta.heights, meta.widths,
-                                       config_repr, data.frame_interval)
-
-    def assignment(self, epoch: int) -> Assignment:
-        if self._cached is None or self._cached[0] != epoch:
-            if self.config is None:
-                n = len(self.meta)
-                result = Assignment(np.zeros(n, np.int32), np.zeros(n, np.int8), self.buckets)
-            else:
-                result = assign_buckets(self._frames, self._heights, self._widths, self.config,
-                                        seed=self.seed, epoch=epoch, frame_interval=self.frame_interval)
-            self._cached = (epoch, result)
-        return self._cached[1]
-
-    def assign(self, epoch: int) -> np.ndarray:
-        return self.assignment(epoch).bucket
 
 
 @dataclass
@@ -101,3 +40,19 @@ def build_training_data(data: DataConfig, *, batch_size: int, seed: int, dp_rank
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=data.num_workers,
                         persistent_workers=False)
     return TrainData(meta, plan, dataset, sampler, loader)
+
+
+def build_validation_data(data: DataConfig, csv: str, *, batch_size: int, seed: int,
+                          max_samples: int) -> tuple[DataLoader, int]:
+    """A loader over a fixed validation set, and its size: the first ``max_samples`` samples
+    that epoch 0 puts in a bucket, batched per bucket in order, the same set every time."""
+    meta = read_metadata(csv, bad_rows="skip", option="validation.csv")
+    plan = BucketPlan(meta, data, batch_size, seed=seed)
+    dataset = VideoDataset(meta, plan, data.frame_interval, seed=seed)
+    buckets = plan.assign(0)
+    keys = [(int(i), 0, int(buckets[i])) for i in range(len(buckets)) if buckets[i] >= 0][:max_samples]
+    by_bucket = defaultdict(list)
+    for key in keys:
+        by_bucket[key[2]].append(key)
+    batches = [group[i : i + batch_size] for group in by_bucket.values() for i in range(0, len(group), batch_size)]
+    return DataLoader(dataset, batch_sampler=batches, collate_fn=collate, num_workers=0), len(keys)

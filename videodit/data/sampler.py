@@ -1,7 +1,7 @@
 """A deterministic, resumable bucket batch sampler split across data-parallel ranks.
 
 Every epoch, each sample is assigned to a bucket (or dropped) by a deterministic function
-of (seed, epoch, sample) — see ``data/buckets.py``. Within a bucket the samples are
+of (seed, epoch, sample) — see ``data/buckets/``. Within a bucket the samples are
 shuffled and cut into batches of that bucket's batch size; the incomplete last batch of
 each bucket is dropped (``drop_last``: a batch must have one shape and one size). All
 batches of the epoch are then shuffled into one *global* order.

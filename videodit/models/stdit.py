@@ -8,19 +8,28 @@ cross-attends to the caption tokens. The diffusion time (plus fps) conditions ev
 through one shared adaLN projection (adaLN-single) and a learned per-block table.
 
 This file is pure: no torch.distributed. Parallelism and activation checkpointing are
-applied from outside (``videodit.parallel``, ``videodit.planner``).
+applied from outside (``videodit.parallel``). ``save_pretrained`` / ``load_pretrained``
+keep a model in a folder: ``config.json`` (its arguments) and ``model.safetensors``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
+from videodit.errors import UserError
 from videodit.models.layers import (CrossAttention, Mlp, RotaryEmbedding, ScalarEmbedder,
                                     SelfAttention, modulate, sincos_2d, sinusoidal_embedding)
+
+MODEL_TYPE = "videodit-stdit"
+CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -206,6 +215,19 @@ class STDiT(nn.Module):
     def unpatchify(self, tokens, latent_shape):
         return unpatchify(tokens, latent_shape, self.geometry)
 
+    # ------------------------------------------------------------------ weights on disk
+
+    def save_pretrained(self, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
+        """Write ``config.json`` (the model's arguments only, diffusers' convention) and
+        ``model.safetensors`` into ``folder``; ``load_pretrained(folder)`` rebuilds the model."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / CONFIG_NAME).write_text(json.dumps(geometry_config(self.geometry), indent=1) + "\n")
+        tensors = {name: (t.to(dtype) if dtype is not None and t.is_floating_point() else t).contiguous()
+                   for name, t in self.state_dict().items()}
+        save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+        return folder
+
 
 def unpatchify(tokens: torch.Tensor, latent_shape, geometry: DiTGeometry) -> torch.Tensor:
     """[B, T', S, pt*ph*pw*C] -> [B, C, T, H, W] of ``latent_shape`` (padding dropped)."""
@@ -216,6 +238,40 @@ def unpatchify(tokens: torch.Tensor, latent_shape, geometry: DiTGeometry) -> tor
     x = tokens.reshape(b, tp, hp, wp, pt, ph, pw, c)
     x = x.permute(0, 7, 1, 4, 2, 5, 3, 6)
     return x.reshape(b, c, tp * pt, hp * ph, wp * pw)[:, :, :frames, :height, :width]
+
+
+def geometry_config(geometry: DiTGeometry) -> dict:
+    """The ``config.json`` of a model folder: its type and arguments, nothing else."""
+    return {"model_type": MODEL_TYPE, **dataclasses.asdict(geometry)}
+
+
+def geometry_from_config(config: dict) -> DiTGeometry:
+    fields = dataclasses.fields(DiTGeometry)
+    required = {f.name for f in fields if f.default is dataclasses.MISSING}
+    if not isinstance(config, dict) or config.get("model_type") != MODEL_TYPE or not required <= config.keys():
+        raise UserError(f"config.json is not a videodit STDiT config (it needs model_type {MODEL_TYPE!r} and "
+                        f"{', '.join(sorted(required))}); write it with STDiT.save_pretrained")
+    args = {f.name: config[f.name] for f in fields if f.name in config}
+    args["patch_size"] = tuple(args.get("patch_size", (1, 2, 2)))
+    return DiTGeometry(**args)
+
+
+def load_pretrained(folder: str | Path, device: str | torch.device = "cpu") -> STDiT:
+    """The model a ``save_pretrained`` folder (``config.json`` + ``model.safetensors``) holds.
+    Safetensors only: loading never runs code from the folder."""
+    folder = Path(folder)
+    config_path, weights_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
+    if not config_path.is_file() or not weights_path.is_file():
+        raise UserError(f"{folder} is not a model folder: it needs {CONFIG_NAME} and {WEIGHTS_NAME} "
+                        "(as STDiT.save_pretrained or videodit ckpt export write them)")
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError as exc:
+        raise UserError(f"{config_path} is not valid JSON ({exc}); write it with STDiT.save_pretrained") from None
+    model = STDiT(geometry_from_config(config))
+    model.load_state_dict({name: t.float() if t.is_floating_point() else t
+                           for name, t in load_file(str(weights_path)).items()})
+    return model.to(device)
 
 
 def count_parameters(model: nn.Module) -> int:

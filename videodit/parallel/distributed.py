@@ -25,6 +25,8 @@ class DistContext:
     local_rank: int
     device: torch.device
     meshes: dict | None = None    # name -> DeviceMesh (see ParallelDims.build_meshes); None for one process
+    pp_stages_per_rank: int = 1   # pipeline stages this rank holds (see ParallelDims.check_pipeline)
+    pp_microbatches: int = 1      # micro-batches each pipeline step cuts a batch into
 
     @property
     def world_size(self) -> int:
@@ -127,7 +129,7 @@ def init_distributed(cfg: Config) -> DistContext:
     dims = ParallelDims.from_config(cfg.parallel, world)
     m = cfg.model
     dims.check_model(num_heads=m.num_heads, hidden_size=m.hidden_size, depth=m.depth)
-    dims.check_pipeline(cfg.parallel, depth=m.depth)
+    per_rank, microbatches = dims.check_pipeline(cfg.parallel, depth=m.depth)
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(cfg.train.device, local_rank)
     if world == 1:
@@ -136,5 +138,5 @@ def init_distributed(cfg: Config) -> DistContext:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(minutes=cfg.parallel.timeout_minutes),
                                 device_id=device if device.type == "cuda" else None)
-    return DistContext(dims, rank, local_rank, device, dims.build_meshes(device.type))
+    return DistContext(dims, rank, local_rank, device, dims.build_meshes(device.type), per_rank, microbatches)
 

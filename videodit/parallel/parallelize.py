@@ -4,14 +4,17 @@ data parallel (DDP, or FSDP2 per block and at each root).
 
 ``parallelize`` returns a :class:`ParallelModel`. Its ``local_model`` holds this rank's
 parameters under their names in the whole model (FSDP2 and TP shard in place; pipeline
-stages keep only their parts), so state dicts, EMA and checkpoints use it directly.
+stages keep only their parts), so state dicts, EMA and checkpoints use it directly; its
+``forward_backward`` runs one micro-batch whatever the layout (the pipeline branch lives
+here, not in the training loop).
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 from torch import nn
@@ -21,8 +24,10 @@ from torch.nn.parallel import DistributedDataParallel
 from videodit.config import MemoryConfig, ParallelConfig
 from videodit.parallel.activation_checkpoint import apply_activation_checkpointing
 from videodit.parallel.distributed import DistContext
-from videodit.parallel.gradients import clip_gradients, sum_partial_gradients
-from videodit.parallel.pipeline import Pipeline, build_pipeline
+from videodit.models.flops import block_costs
+from videodit.models.stdit import STDiT
+from videodit.parallel.gradients import clip_gradients, gradient_sync, sum_partial_gradients
+from videodit.parallel.pipeline import PipelineSchedule, build_pipeline, check_microbatches, pack_target, pipeline_loss
 from videodit.parallel.saved_tensors import wrap_saved_tensors
 from videodit.parallel.sequence import apply_sequence_parallel
 from videodit.parallel.tensor import apply_tensor_parallel
@@ -30,11 +35,64 @@ from videodit.parallel.tensor import apply_tensor_parallel
 
 @dataclass
 class ParallelModel:
+    """A model with its parallelism applied: what a training step calls, whatever the layout.
+
+    ``forward_backward`` runs one micro-batch (through the pipeline schedule when there is
+    one), so the trainer's loop has no layout branches.
+    """
+
     local_model: nn.Module          # this rank's parameters, named as in the whole model
     module: nn.Module               # what a step calls when there is no pipeline
-    pipeline: Pipeline | None = None
-    ctx: DistContext | None = None
+    loss_fn: Callable               # (model output, x_t, t, velocity target) -> mean loss
+    ctx: DistContext
+    pipeline: PipelineSchedule | None = None
+    autocast_dtype: torch.dtype | None = None
     partial_gradients: list[str] = field(default_factory=list)   # summed over TP after backward
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this rank holds only part of the weights (FSDP/HSDP shards, TP shards or
+        pipeline stages): checkpoints then gather whole tensors and also write DCP shards."""
+        dims = self.ctx.dims
+        return dims.data_parallel in ("fsdp", "hsdp") or dims.tp > 1 or dims.pp > 1
+
+    def autocast(self):
+        """The mixed-precision context of forward passes (none in fp32)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.ctx.device.type, dtype=self.autocast_dtype)
+
+    def train(self) -> None:
+        self.module.train()
+
+    def loss(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+        """The mean loss of one micro-batch, for backward (not with a pipeline, whose schedule
+        computes the loss on its last stage)."""
+        if self.pipeline is not None:
+            raise RuntimeError("under pipeline parallelism the loss is computed inside forward_backward")
+        with self.autocast():
+            out = self.module(*inputs)
+        return self.loss_fn(out, inputs[0], inputs[1], target)
+
+    def forward_backward(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, *, scale: float,
+                         sync: bool) -> float:
+        """Forward and backward of one micro-batch of model inputs (x_t, t, y, y_mask, fps,
+        drop_caption) against its velocity target, with gradients of ``scale`` x its mean
+        loss. ``sync``: communicate gradients (the last micro-batch of a step). Returns the
+        scaled loss this rank saw (0 on pipeline ranks without the last stage)."""
+        if self.pipeline is not None:
+            with self.autocast():
+                return self.pipeline.step(inputs, pack_target(inputs[0], target, inputs[1]), scale)
+        with gradient_sync(self.module, enabled=sync):
+            loss = self.loss(inputs, target) * scale
+            loss.backward()
+        return loss.item()
+
+    def global_loss(self, local: float) -> float:
+        """A step's loss over every rank, from each rank's sum of ``forward_backward`` results."""
+        if self.pipeline is not None:   # only the last stage saw the loss
+            local = self.ctx.sum_over("pp", local)
+        return self.ctx.mean(local)
 
     def clip_gradients(self, max_norm: float) -> float:
         """Finish this step's gradients (TP partial sums) and clip them by the global norm."""
@@ -44,20 +102,28 @@ class ParallelModel:
         return clip_gradients(self.local_model.parameters(), max_norm, pp_group)
 
 
-def parallelize(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *, memory: MemoryConfig,
-                param_dtype: torch.dtype | None, pipeline_loss: Callable | None = None,
-                block_costs: Sequence[float] | None = None) -> ParallelModel:
-    """With ``parallel.pp > 1``: ``pipeline_loss(output_patches, target)`` is the last stage's
-    loss (see ``pipeline.velocity_mse``) and ``block_costs`` the relative cost of each block
-    (see ``pipeline.block_costs``)."""
+def parallelize(model: STDiT, ctx: DistContext, cfg: ParallelConfig, *, memory: MemoryConfig,
+                loss_fn: Callable, autocast_dtype: torch.dtype | None = None,
+                bucket_batch_sizes: dict[str, int] | None = None,
+                base_grid: tuple[int, int, int] | None = None) -> ParallelModel:
+    """Apply ``cfg``'s layout and ``memory``'s levers to ``model``.
+
+    ``loss_fn(output, x_t, t, velocity_target)`` is the training loss (the pipeline's last
+    stage computes it per micro-batch). With ``parallel.pp > 1``: every bucket's batch size
+    (``bucket_batch_sizes``, name -> size) must cut into the micro-batches, and
+    ``pp_split=cost`` balances the stages by FLOPs at ``base_grid`` = (latent frames,
+    positions per frame, caption tokens) after patching: the data's base bucket."""
     dims = ctx.dims
     pipeline, stages = None, [model]
     if dims.pp > 1:
-        per_rank, microbatches = dims.check_pipeline(cfg, depth=len(model.blocks) // 2)
+        check_microbatches(bucket_batch_sizes or {}, ctx.pp_microbatches)
+        costs = [1.0] * len(model.blocks)
+        if cfg.pp_split == "cost" and base_grid is not None:
+            costs = block_costs(model.geometry, *base_grid)   # every bucket scales alike
         pipeline, model = build_pipeline(
-            model, pp=dims.pp, pp_rank=ctx.rank_in("pp"), schedule=cfg.pp_schedule, stages_per_rank=per_rank,
-            microbatches=microbatches, costs=block_costs or [1.0] * len(model.blocks), group=ctx.group("pp"),
-            device=ctx.device, loss_fn=pipeline_loss)
+            model, pp=dims.pp, pp_rank=ctx.rank_in("pp"), schedule=cfg.pp_schedule,
+            stages_per_rank=ctx.pp_stages_per_rank, microbatches=ctx.pp_microbatches, costs=costs,
+            group=ctx.group("pp"), device=ctx.device, loss_fn=pipeline_loss(model.geometry, loss_fn))
         stages = [pipeline.stages[s] for s in sorted(pipeline.stages)]
     partial = apply_tensor_parallel(model, ctx.meshes["tp"]) if dims.tp > 1 else []
     if dims.sp > 1:
@@ -65,11 +131,11 @@ def parallelize(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *, memo
     apply_memory_levers(model, memory)
     module = model
     if dims.data_parallel in ("fsdp", "hsdp"):
-        apply_fsdp(model, stages, ctx, cfg, param_dtype=param_dtype)
+        apply_fsdp(model, stages, ctx, cfg, param_dtype=autocast_dtype)
     elif dims.data_parallel == "ddp":
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         module = DistributedDataParallel(model, process_group=ctx.group("dp_sp"), device_ids=device_ids)
-    return ParallelModel(model, module, pipeline, ctx, partial)
+    return ParallelModel(model, module, loss_fn, ctx, pipeline, autocast_dtype, partial)
 
 
 def apply_memory_levers(model: nn.Module, cfg: MemoryConfig) -> list[int]:

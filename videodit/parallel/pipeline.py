@@ -99,26 +99,6 @@ def balanced_split(costs: Sequence[float], parts: int) -> list[range]:
     return bounds[::-1]
 
 
-def block_costs(model: STDiT, frames: int, positions: int, caption_tokens: int, how: str) -> list[float]:
-    """Relative forward cost of each block, with the embedding added to the first and the
-    output layer to the last. ``even`` counts blocks; ``cost`` counts FLOPs at one token grid
-    (frames x positions per frame, after patching)."""
-    blocks = model.blocks
-    if how == "even":
-        return [1.0] * len(blocks)
-    g = model.geometry
-    d, n, length = g.hidden_size, frames * positions, caption_tokens
-    per_token = (12 + 4 * g.mlp_ratio) * d * d          # q, k, v, proj, cross q/proj, MLP: 2 x MACs
-    costs = []
-    for block in blocks:
-        attention = 4 * d * (positions * frames * frames if block.temporal else frames * positions * positions)
-        costs.append(n * per_token + 4 * length * d * d + 4 * n * length * d + attention)
-    patch = g.in_channels * g.patch_size[0] * g.patch_size[1] * g.patch_size[2]
-    costs[0] += 2 * n * d * patch + 2 * length * (g.caption_channels * d + d * d)
-    costs[-1] += 2 * n * d * patch
-    return costs
-
-
 def stage_blocks(costs: Sequence[float], pp: int, stages_per_rank: int) -> list[range]:
     stages = pp * stages_per_rank
     if stages > len(costs):
@@ -139,7 +119,7 @@ def check_microbatches(batch_sizes: dict[str, int], microbatches: int) -> None:
                         f"size a multiple of {microbatches} or change parallel.pp_microbatches")
 
 
-class Pipeline:
+class PipelineSchedule:
     """This rank's stages and one schedule per input shape.
 
     ``loss_fn(output_patches, target)`` runs on the last stage once per micro-batch and
@@ -213,7 +193,7 @@ def stage_io(stage: DiTStage, inputs: tuple[torch.Tensor, ...], microbatches: in
 
 def build_pipeline(model: STDiT, *, pp: int, pp_rank: int, schedule: str, stages_per_rank: int,
                    microbatches: int, costs: Sequence[float], group, device: torch.device,
-                   loss_fn: Callable) -> tuple[Pipeline, DiTStage]:
+                   loss_fn: Callable) -> tuple[PipelineSchedule, DiTStage]:
     """Split ``model`` into stages; return this rank's pipeline and ``local_model``, the
     DiTStage holding every parameter of this rank (what the optimizer, EMA and checkpoints use).
 
@@ -227,7 +207,7 @@ def build_pipeline(model: STDiT, *, pp: int, pp_rank: int, schedule: str, stages
         local = next(iter(stages.values()))
     else:
         local = DiTStage(model, [i for s in mine for i in runs[s]], first=0 in stages, last=num_stages - 1 in stages)
-    return Pipeline(stages, num_stages, schedule, microbatches, group, device, loss_fn), local
+    return PipelineSchedule(stages, num_stages, schedule, microbatches, group, device, loss_fn), local
 
 
 def pack_target(x_t: torch.Tensor, velocity_target: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -235,10 +215,11 @@ def pack_target(x_t: torch.Tensor, velocity_target: torch.Tensor, t: torch.Tenso
     return torch.stack([x_t, velocity_target.to(x_t.dtype), t.to(x_t.dtype).view(-1, 1, 1, 1, 1).expand_as(x_t)], 1)
 
 
-def velocity_mse(geometry: DiTGeometry, flow) -> Callable:
-    """The last stage's loss: output patches -> latents -> velocity, against the packed
-    target ``[B, 3, C, T, H, W]`` = (x_t, velocity target, t broadcast)."""
-    def loss_fn(patches: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def pipeline_loss(geometry: DiTGeometry, loss_fn: Callable) -> Callable:
+    """The last stage's loss: output patches -> latents, then ``loss_fn(output, x_t, t,
+    velocity_target)`` against the packed target ``[B, 3, C, T, H, W]`` = (x_t, velocity
+    target, t broadcast)."""
+    def stage_loss(patches: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         x_t, v_target, t = target.unbind(1)
-        return flow.loss(unpatchify(patches, x_t.shape, geometry), x_t, t.flatten(1)[:, 0], v_target)
-    return loss_fn
+        return loss_fn(unpatchify(patches, x_t.shape, geometry), x_t, t.flatten(1)[:, 0], v_target)
+    return stage_loss

@@ -22,6 +22,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from videodit.data.dataset import Batch
+
 
 class LiveMemory(TorchDispatchMode):
     """Bytes of storages created by ops under this mode that are still alive, and their peak."""
@@ -103,15 +105,14 @@ def measure_step(model: torch.nn.Module, forward_loss: Callable[[], torch.Tensor
                       activations=activations, peak=tracker.peak)
 
 
-def synthetic_batch(batch: int, num_frames: int, height: int, width: int, fps: float = 8.0) -> dict:
-    """A training batch of the Trainer's form (random pixels, one toy caption) for memory trials."""
+def synthetic_batch(batch: int, num_frames: int, height: int, width: int, fps: float = 8.0) -> Batch:
+    """A training batch (random pixels, one toy caption) for memory trials."""
     generator = torch.Generator().manual_seed(0)
-    return {"video": torch.rand(batch, 3, num_frames, height, width, generator=generator) * 2 - 1,
-            "text": ["a red circle moving left"] * batch, "fps": torch.full((batch,), float(fps)),
-            "noise_seed": 0}
+    return Batch(video=torch.rand(batch, 3, num_frames, height, width, generator=generator) * 2 - 1,
+                 text=["a red circle moving left"] * batch, fps=torch.full((batch,), float(fps)))
 
 
-def measure_trainer(trainer, batch: dict) -> StepMemory:
+def measure_trainer(trainer, batch: Batch) -> StepMemory:
     """One step of a freshly built Trainer (its model, parallelism, levers and optimizer)."""
     return measure_step(trainer.model, lambda: trainer.loss(batch), trainer.optimizer)
 

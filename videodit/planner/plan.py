@@ -4,7 +4,7 @@ nothing fits, before a single GPU is allocated.
 Each (resolution, num_frames) entry of the bucket config is planned at its worst aspect
 ratio (the most tokens), since one batch size serves all its ratios. Batch sizes can also
 be chosen for equal step time: every bucket gets about the same FLOPs per step (the FLOP
-model of ``parallel.pipeline.block_costs``), capped by what fits.
+model of ``models.flops``), capped by what fits.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from videodit.config import Config, MemoryConfig
-from videodit.data.buckets import build_buckets
-from videodit.data.loader import resolve_bucket_config
+from videodit.data.buckets.assign import build_buckets
+from videodit.data.buckets.config import resolve_bucket_config
 from videodit.errors import UserError
 from videodit.planner.estimate import (Estimate, Parallel, Precision, Shape, count_model, estimate,
                                       parallel_from_config, precision_from_config)
+from videodit.models.flops import block_costs
 from videodit.models.stdit import DiTGeometry, STDiT
-from videodit.parallel.pipeline import block_costs
 
 MAX_BATCH = 4096
 
@@ -60,7 +60,7 @@ class LatentGeometry:
 
 
 @dataclass
-class BucketPlan:
+class BucketFit:
     resolution: str
     num_frames: int
     ratio: str                      # the worst aspect ratio (most tokens)
@@ -165,11 +165,11 @@ class Planner:
         pt, ph, pw = self.geometry.patch_size
         frames = math.ceil(shape.latent_frames / pt)
         positions = math.ceil(shape.latent_height / ph) * math.ceil(shape.latent_width / pw)
-        return float(sum(block_costs(self.meta_model, frames, positions, self.caption_length, "cost")))
+        return float(sum(block_costs(self.geometry, frames, positions, self.caption_length)))
 
 
 def plan_buckets(planner: Planner, buckets: list[tuple[str, int, str, int, int, int | None]],
-                 equal_step_time: bool = False) -> list[BucketPlan]:
+                 equal_step_time: bool = False) -> list[BucketFit]:
     """``buckets``: (resolution, num_frames, ratio, height, width, batch_size) rows; one plan
     per (resolution, num_frames), at the ratio with the most tokens."""
     worst: dict[tuple[str, int], tuple] = {}
@@ -183,7 +183,7 @@ def plan_buckets(planner: Planner, buckets: list[tuple[str, int, str, int, int, 
     for tokens, (resolution, num_frames, ratio, height, width, batch) in worst.values():
         max_batch = planner.max_batch(num_frames, height, width)
         fix = None if max_batch else planner.cheapest_fix(num_frames, height, width)
-        plans.append(BucketPlan(resolution, num_frames, ratio, height, width, tokens, batch, max_batch,
+        plans.append(BucketFit(resolution, num_frames, ratio, height, width, tokens, batch, max_batch,
                                 max_batch, planner.estimate(max(max_batch, 1), num_frames, height, width), fix,
                                 planner.flops_per_sample(num_frames, height, width)))
     if equal_step_time:
@@ -191,7 +191,7 @@ def plan_buckets(planner: Planner, buckets: list[tuple[str, int, str, int, int, 
     return plans
 
 
-def equalise_step_time(planner: Planner, plans: list[BucketPlan]) -> None:
+def equalise_step_time(planner: Planner, plans: list[BucketFit]) -> None:
     """Give every bucket about the same FLOPs per step: the most that every bucket reaches
     within memory (the smallest of max_batch x FLOPs per sample)."""
     fitting = [p for p in plans if p.max_batch_size]
@@ -215,7 +215,7 @@ def bucket_rows(cfg: Config) -> list[tuple[str, int, str, int, int, int | None]]
     return [(b.resolution, b.num_frames, b.ratio, b.height, b.width, b.batch_size) for b in build_buckets(config)]
 
 
-def written_bucket_config(cfg: Config, plans: list[BucketPlan]) -> dict:
+def written_bucket_config(cfg: Config, plans: list[BucketFit]) -> dict:
     """The config's bucket_config with the planned batch sizes (keep probabilities unchanged);
     buckets where nothing fits are switched off with (0.0, None)."""
     original = resolve_bucket_config(cfg.data) or {}

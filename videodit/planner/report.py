@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from videodit.errors import UserError
-from videodit.planner.plan import BucketPlan, Planner
+from videodit.planner.plan import BucketFit, Planner
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -31,7 +31,7 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.1f}"
 
 
-def plan_table(planner: Planner, plans: list[BucketPlan]) -> str:
+def plan_table(planner: Planner, plans: list[BucketFit]) -> str:
     """The human table: one row per (resolution, num_frames), sizes in GiB at the chosen batch."""
     head = (f"{'resolution':<11}{'frames':>7}{'tokens':>8}{'config bs':>10}{'max bs':>8}{'plan bs':>8}"
             f"{'params':>8}{'grads':>7}{'optim':>7}{'ema':>6}{'activ':>8}{'temp':>7}{'enc':>6}{'peak GiB':>10}  note")
@@ -62,7 +62,7 @@ def plan_summary(planner: Planner, gpu_bytes: int) -> str:
             f"budget {gib(planner.budget)} of {gib(gpu_bytes)} GiB ({planner.margin:.0%} margin)")
 
 
-def plan_json(planner: Planner, plans: list[BucketPlan], gpu_bytes: int) -> str:
+def plan_json(planner: Planner, plans: list[BucketFit], gpu_bytes: int) -> str:
     first = plans[0].estimate if plans else None
     model = {"num_params": planner.counts.num_params,
              "params_per_gpu": int(first.detail["params_per_gpu"]) if first else 0}

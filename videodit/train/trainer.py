@@ -4,10 +4,12 @@
             -> clip, AdamW step, LR schedule, EMA -> metrics, samples, checkpoints
 
 Features plug in as small objects (EMA, MetricsLogger, CheckpointManager, Validator,
-BadFileGuard, StopSignals); the loop itself stays flat.
+BadFileGuard, StopSignals); what a checkpoint holds is ``TrainState`` (``train/state.py``);
+the loop itself stays flat.
 
 The same loop runs on one process and under torchrun: ``DistContext`` says which rank
-this is and ``parallel.parallelize`` wraps the model. Every rank runs the loop; rank 0
+this is and ``parallel.parallelize`` wraps the model; its ``forward_backward`` runs a
+micro-batch whatever the layout (pipeline included). Every rank runs the loop; rank 0
 alone writes the run folder (metrics, samples, checkpoint files other than DCP shards).
 The noise, timesteps and caption dropout of a batch are seeded by its global batch index,
 so a run draws the same noise whatever its data-parallel size.
@@ -15,9 +17,8 @@ so a run draws the same noise whatever its data-parallel size.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import json
-import random
 from pathlib import Path
 
 import numpy as np
@@ -27,22 +28,19 @@ from tqdm import tqdm
 from videodit.checkpoint import CheckpointManager, LoadedCheckpoint, checkpoint_name, list_checkpoints
 from videodit.components import build_encoders, build_model
 from videodit.config import Config, to_yaml
-from videodit.data.dataset import BadFileGuard
+from videodit.data.dataset import BadFileGuard, Batch
 from videodit.data.loader import build_training_data
-from videodit.toy.make import ensure_toy_data
 from videodit.diffusion.rectified_flow import RectifiedFlow
-from videodit.train.ema import EMA
 from videodit.errors import UserError
-from videodit.train.metrics import MetricsLogger, Throughput
 from videodit.models.stdit import count_parameters
 from videodit.parallel.distributed import init_distributed
-from videodit.parallel.gradients import gradient_sync
 from videodit.parallel.parallelize import parallelize
-from videodit.parallel.pipeline import block_costs, check_microbatches, pack_target, velocity_mse
-from videodit.parallel.state import (full_tensors, gather_stages, load_model_state, load_optimizer_state,
-                                     load_shards, optimizer_state, save_shards)
-from videodit.train.runtime import StopSignals, check_config_change, run_info, seed_everything
 from videodit.sample import generate, write_clips
+from videodit.toy.make import ensure_toy_data
+from videodit.train.ema import EMA
+from videodit.train.metrics import MetricsLogger, Throughput
+from videodit.train.runtime import StopSignals, check_config_change, run_info, seed_everything
+from videodit.train.state import TrainState
 from videodit.train.validation import Validator
 
 
@@ -62,7 +60,6 @@ class Trainer:
         seed_everything(tc.seed)   # the same on every rank: identical initial weights
         self.device = self.ctx.device
         use_bf16 = tc.precision == "bf16" or (tc.precision == "auto" and self.device.type == "cuda")
-        self.autocast_dtype = torch.bfloat16 if use_bf16 else None
 
         # Data first: a bad CSV should fail before any model is built.
         ensure_toy_data(cfg)
@@ -75,22 +72,20 @@ class Trainer:
         self.flow = RectifiedFlow(cfg.diffusion)
         model = build_model(cfg, self.vae, self.text).to(self.device)
         self.num_params = count_parameters(model)
-        self.parallel = self._parallelize(model)
+        self.parallel = parallelize(model, self.ctx, cfg.parallel, memory=cfg.memory, loss_fn=self.flow.loss,
+                                    autocast_dtype=torch.bfloat16 if use_bf16 else None,
+                                    bucket_batch_sizes={f"{b.resolution}/{b.num_frames}/{b.ratio}": b.batch_size
+                                                        for b in self.data.plan.buckets if b.batch_size},
+                                    base_grid=self._base_grid(model))
         # This rank's parameters, named as in the whole model (FSDP2 and TP shard in place,
-        # a pipeline stage keeps its parts), and the module a step calls (DDP wraps).
-        self.model, self.train_module = self.parallel.local_model, self.parallel.module
-        self.pipeline = self.parallel.pipeline
-        dims = self.ctx.dims
-        self.sharded = dims.data_parallel in ("fsdp", "hsdp") or dims.tp > 1 or dims.pp > 1
+        # a pipeline stage keeps its parts).
+        self.model = self.parallel.local_model
         self.ema = EMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=tc.lr, betas=tuple(tc.betas),
                                            weight_decay=tc.weight_decay)
         warmup = max(tc.warmup_steps, 1)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
-
-        self.step = 0
-        self.epoch = 0
-        self.offset = 0          # global batches of this epoch consumed (see data/sampler.py)
+        self.state = TrainState(self.parallel, self.optimizer, self.scheduler, self.ema, self.sampler)
 
         ck = cfg.checkpoint
         self.checkpoints = CheckpointManager(run_dir, every_steps=ck.every_steps, every_minutes=ck.every_minutes,
@@ -101,6 +96,10 @@ class Trainer:
                                    max_samples=cfg.validation.max_samples) if cfg.validation.csv else None
         self.last_validation: dict = {}
 
+    @property
+    def step(self) -> int:
+        return self.state.progress.step
+
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> dict:
@@ -109,42 +108,43 @@ class Trainer:
         if self.is_main:
             for leftover in self.checkpoints.cleanup_staging():
                 print(f"removed {leftover.name}, the leftover of an interrupted save", flush=True)
-        self._maybe_resume()
+        self.resume()
+        progress = self.state.progress
         metrics = MetricsLogger(self.run_dir, enabled=self.is_main)
         throughput = Throughput()
-        batches = self._batches()
-        bar = tqdm(total=tc.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+        batches = self.batches()
+        bar = tqdm(total=tc.max_steps, initial=progress.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=None if self.is_main else True)
         last = {}
         stopping = False
         try:
             with StopSignals() as stop:
-                while self.step < tc.max_steps and not stopping:
+                while progress.step < tc.max_steps and not stopping:
                     micro_batches = [next(batches) for _ in range(tc.grad_accum)]
                     loss, grad_norm = self.train_step(micro_batches)
-                    self.step += 1
-                    throughput.add(sum(len(b["text"]) for b in micro_batches) * self.ctx.dp_size)
+                    progress.step += 1
+                    throughput.add(sum(len(b) for b in micro_batches) * self.ctx.dp_size)
                     bar.update(1)
-                    if self.step % tc.log_every == 0 or self.step == tc.max_steps:
-                        last = {"epoch": self.epoch, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
+                    if progress.step % tc.log_every == 0 or progress.step == tc.max_steps:
+                        last = {"epoch": progress.epoch, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
                                 "grad_norm": grad_norm, "samples_per_s": round(throughput.read(), 2)}
-                        metrics.log(self.step, last)
+                        metrics.log(progress.step, last)
                         bar.set_postfix(loss=f"{loss:.4f}", sps=f"{last['samples_per_s']:.1f}")
                         if bar.disable and self.is_main:
-                            print(f"step {self.step}/{tc.max_steps} loss {loss:.4f} "
+                            print(f"step {progress.step}/{tc.max_steps} loss {loss:.4f} "
                                   f"samples/s {last['samples_per_s']:.1f}", flush=True)
                     # Clocks and signals differ between ranks: act when any rank asks.
-                    saving = self.ctx.any(self.checkpoints.should_save(self.step))
+                    saving = self.ctx.any(self.checkpoints.should_save(progress.step))
                     stopping = self.ctx.any(stop.requested is not None)
                     if self.validator and (saving or self._validation_due()):
                         self.validate(metrics)
-                    if tc.sample_every and self.step % tc.sample_every == 0:
+                    if tc.sample_every and progress.step % tc.sample_every == 0:
                         self.write_samples()
                     if saving:
                         self.save()
                 if stopping and self.is_main:
                     reason = stop.requested or "a signal to another rank"
-                    print(f"stopping on {reason} after step {self.step}; saving, then resume with resume=auto",
+                    print(f"stopping on {reason} after step {progress.step}; saving, then resume with resume=auto",
                           flush=True)
             if not self._saved_at_step():
                 if self.validator:
@@ -157,9 +157,68 @@ class Trainer:
             self.checkpoints.wait()
             if self.bad_files.summary():
                 print(self.bad_files.summary(), flush=True)
-        if self.step >= tc.max_steps:
+        if progress.step >= tc.max_steps:
             self.write_samples()
-        return {"step": self.step, **last, **self.last_validation}
+        return {"step": progress.step, **last, **self.last_validation}
+
+    def train_step(self, micro_batches: list[Batch]) -> tuple[float, float]:
+        """One optimizer step over ``micro_batches``; returns (loss, grad norm), both global."""
+        self.parallel.train()
+        total = 0.0
+        for i, batch in enumerate(micro_batches):
+            inputs, target = self.prepare(batch)
+            total += self.parallel.forward_backward(inputs, target, scale=1.0 / len(micro_batches),
+                                                    sync=i == len(micro_batches) - 1)
+        grad_norm = self.parallel.clip_gradients(self.cfg.train.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update(self.model)
+        return self.parallel.global_loss(total), grad_norm
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        """The rectified-flow loss of one micro-batch (not under pipeline parallelism)."""
+        return self.parallel.loss(*self.prepare(batch))
+
+    def prepare(self, batch: Batch) -> tuple[tuple, torch.Tensor]:
+        """The model inputs (x_t, t, y, y_mask, fps, drop_caption) of one micro-batch and its
+        velocity target; the batch's ``noise_seed`` draws its noise, timesteps and dropout."""
+        video = batch.video.to(self.device, non_blocking=True)
+        with torch.no_grad():
+            x0 = self.vae.encode(video)
+            y, y_mask = self.text.encode(batch.text)
+        n = x0.shape[0]
+        generator = torch.Generator().manual_seed(batch.noise_seed)
+        ratio = self.flow.shift_ratio(video.shape[-2], video.shape[-1], x0.shape[2])
+        t = self.flow.sample_timesteps(n, ratio, generator, self.device)
+        noise = torch.randn(x0.shape, generator=generator).to(self.device)
+        drop = (torch.rand(n, generator=generator) < self.cfg.diffusion.caption_dropout).to(self.device)
+        x_t = self.flow.interpolate(x0, noise, t)
+        inputs = (x_t, t, y, y_mask, batch.fps.to(self.device), drop)
+        return inputs, self.flow.velocity_target(x0, noise)
+
+    def batches(self):
+        """Batches forever, each with its noise seed; ``state.progress`` (epoch, offset) always
+        names the next unconsumed global batch."""
+        progress = self.state.progress
+        while True:
+            self.sampler.set_position(progress.epoch, progress.offset)
+            for batch in self.data.loader:
+                seed = noise_seed(self.cfg.train.seed, progress.epoch, progress.offset + self.sampler.dp_rank)
+                progress.offset += self.sampler.dp_size
+                self.bad_files.update(batch)
+                yield dataclasses.replace(batch, noise_seed=seed)
+            progress.epoch += 1
+            progress.offset = 0
+
+    def _base_grid(self, model) -> tuple[int, int, int]:
+        """(latent frames, positions per frame, caption tokens) after patching, at the data's
+        base shape: where pipeline stages are balanced."""
+        cfg = self.cfg
+        frames, height, width = self.vae.latent_size(cfg.data.num_frames, cfg.data.height, cfg.data.width)
+        pt, ph, pw = model.geometry.patch_size
+        return -(-frames // pt), -(-height // ph) * -(-width // pw), cfg.text.max_length
 
     def _validation_due(self) -> bool:
         every = self.cfg.validation.every_steps
@@ -175,92 +234,10 @@ class Trainer:
     def validate(self, metrics: MetricsLogger) -> dict:
         model = self.eval_model()
         if model is not None:
-            self.last_validation = self.validator.evaluate(model, self.vae, self.text, self.flow, self._autocast)
+            self.last_validation = self.validator.evaluate(model, self.vae, self.text, self.flow,
+                                                           self.parallel.autocast)
             metrics.log(self.step, self.last_validation)
         return self.last_validation
-
-    def train_step(self, micro_batches: list[dict]) -> tuple[float, float]:
-        """One optimizer step over ``micro_batches``; returns (loss, grad norm), both global."""
-        self.train_module.train()
-        total = 0.0
-        scale = 1.0 / len(micro_batches)
-        for i, batch in enumerate(micro_batches):
-            if self.pipeline is not None:
-                inputs, target = self.prepare(batch)
-                with self._autocast():
-                    total += self.pipeline.step(inputs, pack_target(inputs[0], target, inputs[1]), scale)
-                continue
-            with gradient_sync(self.train_module, enabled=i == len(micro_batches) - 1):
-                loss = self.loss(batch) * scale
-                loss.backward()
-            total += loss.item()
-        if self.pipeline is not None:   # only the last stage saw the loss
-            total = self.ctx.sum_over("pp", total)
-        grad_norm = self.parallel.clip_gradients(self.cfg.train.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.ema is not None:
-            self.ema.update(self.model)
-        return self.ctx.mean(total), grad_norm
-
-    def loss(self, batch: dict) -> torch.Tensor:
-        """The rectified-flow loss of one micro-batch (from ``_batches``, which seeds its noise)."""
-        inputs, target = self.prepare(batch)
-        with self._autocast():
-            out = self.train_module(*inputs)
-        return self.flow.loss(out, inputs[0], inputs[1], target)
-
-    def prepare(self, batch: dict) -> tuple[tuple, torch.Tensor]:
-        """The model inputs (x_t, t, y, y_mask, fps, drop_caption) of one micro-batch and its
-        velocity target."""
-        video = batch["video"].to(self.device, non_blocking=True)
-        with torch.no_grad():
-            x0 = self.vae.encode(video)
-            y, y_mask = self.text.encode(batch["text"])
-        n = x0.shape[0]
-        generator = torch.Generator().manual_seed(batch["noise_seed"])
-        ratio = self.flow.shift_ratio(video.shape[-2], video.shape[-1], x0.shape[2])
-        t = self.flow.sample_timesteps(n, ratio, generator, self.device)
-        noise = torch.randn(x0.shape, generator=generator).to(self.device)
-        drop = (torch.rand(n, generator=generator) < self.cfg.diffusion.caption_dropout).to(self.device)
-        x_t = self.flow.interpolate(x0, noise, t)
-        inputs = (x_t, t, y, y_mask, batch["fps"].to(self.device), drop)
-        return inputs, self.flow.velocity_target(x0, noise)
-
-    def _parallelize(self, model):
-        cfg, dims = self.cfg, self.ctx.dims
-        costs = None
-        if dims.pp > 1:
-            _, microbatches = dims.check_pipeline(cfg.parallel, depth=cfg.model.depth)
-            check_microbatches({f"{b.resolution}/{b.num_frames}/{b.ratio}": b.batch_size
-                                for b in self.data.plan.buckets if b.batch_size}, microbatches)
-            # The FLOP balance is taken at the data's base bucket (every bucket scales alike).
-            frames, height, width = self.vae.latent_size(cfg.data.num_frames, cfg.data.height, cfg.data.width)
-            pt, ph, pw = model.geometry.patch_size
-            costs = block_costs(model, -(-frames // pt), -(-height // ph) * -(-width // pw),
-                                cfg.text.max_length, cfg.parallel.pp_split)
-        return parallelize(model, self.ctx, cfg.parallel, memory=cfg.memory,
-                           param_dtype=self.autocast_dtype, pipeline_loss=velocity_mse(model.geometry, self.flow),
-                           block_costs=costs)
-
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
-    def _batches(self):
-        """Batches forever; (epoch, offset) always names the next unconsumed global batch."""
-        while True:
-            self.sampler.set_position(self.epoch, self.offset)
-            for batch in self.data.loader:
-                global_index = self.offset + self.sampler.dp_rank
-                batch["noise_seed"] = noise_seed(self.cfg.train.seed, self.epoch, global_index)
-                self.offset += self.sampler.dp_size
-                self.bad_files.update(batch)
-                yield batch
-            self.epoch += 1
-            self.offset = 0
 
     # ------------------------------------------------------------------ run folder, samples
 
@@ -293,56 +270,23 @@ class Trainer:
         Gathering is a collective, so every rank calls this."""
         if self.ema is None and not self.ctx.distributed:
             return self.model
-        weights = self._whole(self.ema.state_dict() if self.ema is not None else self.model.state_dict())
+        weights = self.state.eval_weights()
         if not self.is_main:
             return None
         model = build_model(self.cfg, self.vae, self.text).to(self.device)
         model.load_state_dict(weights)
         return model
 
-    def _whole(self, state: dict) -> dict:
-        """The whole model's tensors on rank 0 from every rank's shards and stages (a collective)."""
-        return gather_stages(full_tensors(state), self.ctx)
-
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> Path | None:
-        """Save on every rank (gathering and DCP shards are collectives); rank 0 writes the files."""
-        tensors = {"model": self._whole(self.model.state_dict())}
-        if self.ema is not None:
-            tensors["ema"] = self._whole(self.ema.state_dict())
-        ema_shards = self.ema.state_dict() if self.ema is not None else None
+        """Save on every rank (a collective); rank 0 writes the files."""
+        return self.state.save(self.checkpoints, config_yaml=to_yaml(self.cfg), metrics=self.last_validation or None,
+                               blocking=not self.cfg.checkpoint.async_save)
 
-        def write_shards(staging: Path | None) -> None:
-            save_shards(self.ctx.broadcast(staging), self.model, self.optimizer, ema_shards)
-
-        if not self.is_main:
-            if self.sharded:
-                write_shards(None)
-            self.ctx.barrier()
-            return None
-        tensors["rng"] = {"torch_cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            tensors["rng"]["torch_cuda"] = torch.cuda.get_rng_state()
-        np_state = np.random.get_state()
-        state = {
-            "step": self.step, "epoch": self.epoch,
-            "data": self.sampler.state_dict(self.epoch, self.offset),
-            "scheduler": self.scheduler.state_dict(),
-            "python_rng": _jsonable(random.getstate()),
-            "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-        }
-        # Sharded runs keep the optimizer in the DCP shards only: gathering it would not fit.
-        torch_states = {} if self.sharded else {"optimizer": optimizer_state(self.model, self.optimizer)}
-        path = self.checkpoints.save(self.step, tensors=tensors, torch_states=torch_states,
-                                     json_state=state, config_yaml=to_yaml(self.cfg),
-                                     metrics=self.last_validation or None,
-                                     blocking=not self.cfg.checkpoint.async_save,
-                                     write_shards=write_shards if self.sharded else None)
-        self.ctx.barrier()
-        return path
-
-    def _maybe_resume(self) -> None:
+    def resume(self) -> None:
+        """Continue from ``cfg.resume``: ``auto`` (the newest verified checkpoint of the run
+        folder, if any) or a checkpoint path."""
         source = self.cfg.resume
         if source is None:
             return
@@ -355,43 +299,12 @@ class Trainer:
                 return
         ckpt = LoadedCheckpoint(source)
         check_config_change(ckpt.config_yaml(), self.cfg)
-        self.load(ckpt)
+        self.state.load(ckpt, self.cfg.data.on_change)
         if self.is_main:
             self.checkpoints.record_resume(ckpt.path)
-
-    def load(self, ckpt: LoadedCheckpoint) -> None:
-        """Load a checkpoint written by any layout (DCP shards or whole tensors) into this one."""
-        ema = self.ema.state_dict() if self.ema is not None and ckpt.has("ema") else None
-        if ckpt.has_shards:
-            load_shards(ckpt.path, self.model, self.optimizer, ema)
-        else:
-            load_model_state(self.model, ckpt.tensors("model"))
-            if ema is not None:
-                self.ema.load_state_dict(ckpt.tensors("ema"))
-            load_optimizer_state(self.model, self.optimizer, ckpt.torch_state("optimizer"))
-        state = ckpt.json_state()
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = state["step"]
-        self.epoch, self.offset = self.sampler.load_state_dict(state["data"], self.cfg.data.on_change)
-        rng = ckpt.tensors("rng")
-        torch.set_rng_state(rng["torch_cpu"])
-        if "torch_cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["torch_cuda"])
-        random.setstate(_tuplify(state["python_rng"]))
-        kind, keys, *rest = state["numpy_rng"]
-        np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-        if self.is_main:
             print(f"resumed from {ckpt.path} at step {self.step}", flush=True)
 
 
 def noise_seed(seed: int, epoch: int, global_batch: int) -> int:
     """The seed of one global batch's noise, timesteps and caption dropout."""
     return int(np.random.SeedSequence((seed, epoch, global_batch)).generate_state(1)[0])
-
-
-def _jsonable(value):
-    return [_jsonable(v) for v in value] if isinstance(value, (tuple, list)) else value
-
-
-def _tuplify(value):
-    return tuple(_tuplify(v) for v in value) if isinstance(value, list) else value
