@@ -10,7 +10,7 @@ OUT_DIR receives the run folder without its sample videos and without the toy da
 so a resume run from a working directory without it regenerates the same toy clips). A
 README.md in OUT_DIR records the commit and the exact command.
 
-tests/test_legacy_resume.py resumes this fixture with the current code.
+tests/train/test_legacy_resume.py resumes this fixture with the current code.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         "`videodit-toy/train.csv` with `data.make_toy_if_missing`, so\n"
         "training from a working directory without it regenerates the same toy clips\n"
         "(`toy.clips_per_combination=1`, `toy.num_frames=4`, seed 0).\n\n"
-        "`tests/test_legacy_resume.py` resumes it with the current code (`resume=auto`).\n")
+        "`tests/train/test_legacy_resume.py` resumes it with the current code (`resume=auto`).\n")
     print(f"wrote {out}", flush=True)
     return 0
 

@@ -27,7 +27,6 @@ import torch
 from videodit.config import Config, MemoryConfig
 from videodit.models.stdit import DiTGeometry, STDiT
 
-GiB = 1024**3
 FP32 = 4
 
 # What autograd keeps per token inside one block, in units of the hidden size D ("D") or the

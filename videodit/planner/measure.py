@@ -39,9 +39,6 @@ class LiveMemory(TorchDispatchMode):
             del self._storages[ref]
         return sum(self._storages.values())
 
-    def reset_peak(self) -> None:
-        self.peak = self.live
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)

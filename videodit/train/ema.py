@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from videodit.parallel.state import copy_into
+
 
 class EMA:
     def __init__(self, model: nn.Module, decay: float):
@@ -21,5 +23,4 @@ class EMA:
         return dict(self.shadow)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        from videodit.parallel.state import copy_into   # handles sharded (DTensor) shadows
-        copy_into(self.shadow, state)
+        copy_into(self.shadow, state)   # the shadows may be shards (DTensor)

@@ -1,6 +1,6 @@
-"""Run under torchrun by tests/test_distributed.py: train a few steps per layout, save results.
+"""Run under torchrun by tests/parallel/test_distributed.py: train a few steps per layout, save results.
 
-Usage: torchrun --nproc-per-node N tests/distributed/worker.py SPEC.json
+Usage: torchrun --nproc-per-node N tests/parallel/workers/worker.py SPEC.json
 SPEC: {"out": dir, "runs": [{"name": ..., "overrides": [...], "steps": k}]}. For every run,
 rank 0 writes OUT/NAME.pt with the whole final weights, the losses and, per rank, the
 sample keys of every batch it trained on.

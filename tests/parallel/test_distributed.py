@@ -22,7 +22,7 @@ from videodit.cli import main
 from videodit.config import load_config
 from videodit.train.trainer import Trainer
 
-WORKER = Path(__file__).parent / "distributed" / "worker.py"
+WORKER = Path(__file__).parent / "workers" / "worker.py"
 TOLERANCE = 1e-6
 STEPS = 3
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 from kill_test import run_with_kills, train_command  # noqa: E402
 

@@ -17,7 +17,7 @@ import yaml
 from safetensors.torch import load_file
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-FIXTURE = Path(__file__).parent / "fixtures" / "legacy_run_66be50c"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "legacy_run_66be50c"
 OLD_STEP = 4
 NEW_STEP = 6
 

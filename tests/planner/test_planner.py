@@ -26,7 +26,7 @@ from videodit.train.trainer import Trainer
 
 TOLERANCE = 0.10
 CATEGORIES = ("activations", "params", "grads", "optimizer")
-WORKER = Path(__file__).parent / "distributed" / "memory_worker.py"
+WORKER = Path(__file__).parents[1] / "parallel" / "workers" / "memory_worker.py"
 
 
 def preset_overrides(toy_dir, preset: str, **extra) -> list[str]:

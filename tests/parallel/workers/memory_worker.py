@@ -1,4 +1,4 @@
-"""Run by tests/test_memory.py under torchrun: measure one training step's memory on this rank
+"""Run by tests/planner/test_planner.py under torchrun: measure one training step's memory on this rank
 (``videodit.planner.measure``) next to the planner's prediction, and print both as JSON."""
 
 import json
