@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
 from pathlib import Path
 
-from videodit.errors import UserError
+from videodit.errors import UserError, os_error_message
 
 
 def _split_config_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -67,11 +69,21 @@ def cmd_sample(ns) -> int:
     from videodit.data.video import write_video
 
     prompts = _read_prompts(ns)
-    pipeline = Pipeline(ns.ckpt, device=ns.device)
-    clips = pipeline(prompts, num_frames=ns.num_frames, height=ns.height, width=ns.width, steps=ns.steps,
-                     guidance=ns.cfg, seed=ns.seed)
-    fps = pipeline.cfg.sample.fps
     out = Path(ns.out)
+    pipeline = Pipeline(ns.ckpt, device=ns.device)
+    size = pipeline.resolve(num_frames=ns.num_frames, height=ns.height, width=ns.width)
+    if not ns.gif and out.suffix != ".gif" and (size["height"] % 2 or size["width"] % 2):
+        raise UserError(f"mp4 needs an even height and width, got {size['height']}x{size['width']}; pass even "
+                        "--height/--width, or --gif")
+    try:
+        clips = pipeline(prompts, **size, steps=ns.steps, guidance=ns.cfg, seed=ns.seed)
+    except (MemoryError, RuntimeError) as exc:   # CUDA's OutOfMemoryError is a RuntimeError
+        if not _out_of_memory(exc):
+            raise
+        raise UserError(f"sampling {len(prompts)} clip(s) of {size['num_frames']} frames at {size['height']}x"
+                        f"{size['width']} needs more memory than {pipeline.device} has ({_first_line(exc)}); lower "
+                        "--num-frames, --height or --width") from None
+    fps = pipeline.cfg.sample.fps
     if len(prompts) == 1 and out.suffix in (".mp4", ".gif"):
         write_video(out, clips[0], fps)
         paths = [out]
@@ -80,6 +92,18 @@ def cmd_sample(ns) -> int:
     for path in paths:
         print(path)
     return 0
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is running out of memory: Python's MemoryError, CUDA's OutOfMemoryError,
+    or the RuntimeError of torch's CPU allocator."""
+    text = str(exc)
+    return isinstance(exc, MemoryError) or "out of memory" in text.lower() or "can't allocate memory" in text
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:160] if text else type(exc).__name__
 
 
 def _read_prompts(ns) -> list[str]:
@@ -326,6 +350,26 @@ def cmd_tune(ns) -> int:
 # ---------------------------------------------------------------------------- parser
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be 1 or more")
+    return value
+
+
+def _guidance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0 (1 = no guidance)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="videodit", description="Train and sample Open-Sora-style video "
                                      "diffusion transformers.")
@@ -343,11 +387,11 @@ def build_parser() -> argparse.ArgumentParser:
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", help="one prompt")
     group.add_argument("--prompts", help="file with one prompt a line")
-    p.add_argument("--num-frames", type=int, help="frames (default: the training config's)")
-    p.add_argument("--height", type=int, help="height in pixels (default: the training config's)")
-    p.add_argument("--width", type=int, help="width in pixels (default: the training config's)")
-    p.add_argument("--steps", type=int, help="Euler steps (default: sample.steps)")
-    p.add_argument("--cfg", type=float, help="classifier-free guidance scale (default: sample.cfg)")
+    p.add_argument("--num-frames", type=_positive_int, help="frames (default: the training config's)")
+    p.add_argument("--height", type=_positive_int, help="height in pixels (default: the training config's)")
+    p.add_argument("--width", type=_positive_int, help="width in pixels (default: the training config's)")
+    p.add_argument("--steps", type=_positive_int, help="Euler steps (default: sample.steps)")
+    p.add_argument("--cfg", type=_guidance, help="classifier-free guidance scale, >= 0 (default: sample.cfg)")
     p.add_argument("--seed", type=int, default=0, help="noise seed")
     p.add_argument("--out", default="samples", help="output folder, or a .mp4/.gif file for one prompt")
     p.add_argument("--gif", action="store_true", help="write gif instead of mp4")
@@ -473,9 +517,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _peer_gone(exc: RuntimeError) -> bool:
+    """A collective that failed because another rank's process ended (gloo or NCCL)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return False
+    text = str(exc).lower()
+    return any(s in text for s in ("connection closed", "connection reset", "broken pipe", "socket closed",
+                                   "nccl communicator was aborted", "remote process exited"))
+
+
 def _rank_tag() -> str:
     """`` (rank N)`` under torchrun, so an error names the process that hit it."""
-    import os
     return f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
 
 
@@ -484,13 +536,25 @@ def main(argv: list[str] | None = None) -> int:
     # Overrides may come before or after options (train --out DIR key=value, or the reverse).
     ns, extra = parser.parse_known_args(argv)
     if extra:
-        if not hasattr(ns, "args") or any(e.startswith("-") for e in extra):
+        rest = "args" if hasattr(ns, "args") else "overrides" if hasattr(ns, "overrides") else None
+        if rest is None or any(e.startswith("-") for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        ns.args += extra
+        setattr(ns, rest, getattr(ns, rest) + extra)
     try:
         return ns.func(ns)
     except UserError as exc:
         print(f"error{_rank_tag()}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:   # a full disk, a read-only folder, a path that is a file
+        if os.environ.get("VIDEODIT_TRACEBACK"):
+            raise
+        print(f"error{_rank_tag()}: {os_error_message(exc)} (VIDEODIT_TRACEBACK=1 shows where)", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:   # under torchrun: another rank stopped, so a collective failed
+        if not _peer_gone(exc) or os.environ.get("VIDEODIT_TRACEBACK"):
+            raise
+        print(f"error{_rank_tag()}: another rank stopped (its error is above); this rank stops too",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

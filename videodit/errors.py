@@ -8,3 +8,22 @@ class UserError(Exception):
     message must name the problem and the fix, e.g.
     ``model.preset='XXL' is not a preset; choose one of: tiny, S, B, XL``.
     """
+
+
+def os_error_message(exc: OSError) -> str:
+    """One line for a failed file operation: what happened, to which file, and what to do."""
+    import errno
+
+    what = " ".join((exc.strerror or str(exc) or type(exc).__name__).split())
+    where = f" ({exc.filename})" if exc.filename else ""
+    if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+        fix = "free space on that disk or write to another one"
+    elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = "make it writable or choose a folder you can write to"
+    elif exc.errno in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
+        fix = "a file stands where a folder is needed (or the reverse); choose another path"
+    elif exc.errno == errno.ENOENT:
+        fix = "check the path"
+    else:
+        fix = "fix the problem with that file and run again"
+    return f"{what}{where}; {fix}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import yaml
 
 from videodit.data.video import write_video
 from videodit.diffusion.rectified_flow import RectifiedFlow
+from videodit.errors import UserError
 
 
 @torch.no_grad()
@@ -83,13 +85,25 @@ class Pipeline:
         self.checkpoint = ckpt.path
         self.weights = stem
 
+    def resolve(self, num_frames: int | None = None, height: int | None = None,
+                width: int | None = None) -> dict[str, int]:
+        """The clip size a call samples: what is given, else ``sample.*``, else ``data.*``."""
+        data, sample = self.cfg.data, self.cfg.sample
+
+        def pick(given, *defaults):
+            return given if given is not None else next(d for d in defaults if d is not None)
+        return {"num_frames": pick(num_frames, sample.num_frames, data.num_frames),
+                "height": pick(height, sample.height, data.height), "width": pick(width, sample.width, data.width)}
+
     def __call__(self, prompts: list[str], *, num_frames: int | None = None, height: int | None = None,
                  width: int | None = None, steps: int | None = None, guidance: float | None = None,
                  fps: float | None = None, seed: int = 0) -> np.ndarray:
-        data, sample = self.cfg.data, self.cfg.sample
-        return generate(self.model, self.vae, self.text, self.flow, prompts,
-                        num_frames=num_frames or sample.num_frames or data.num_frames,
-                        height=height or sample.height or data.height,
-                        width=width or sample.width or data.width, steps=steps or sample.steps,
-                        guidance=sample.cfg if guidance is None else guidance, fps=fps or sample.fps,
-                        seed=seed, device=self.device)
+        sample = self.cfg.sample
+        size = self.resolve(num_frames, height, width)
+        steps = sample.steps if steps is None else steps
+        guidance = sample.cfg if guidance is None else guidance
+        if min(size.values()) < 1 or steps < 1 or not (math.isfinite(guidance) and guidance >= 0):
+            raise UserError(f"cannot sample {size} with {steps} steps and guidance {guidance}: sizes and steps "
+                            "must be 1 or more and guidance a finite number >= 0")
+        return generate(self.model, self.vae, self.text, self.flow, prompts, **size, steps=steps,
+                        guidance=guidance, fps=fps or sample.fps, seed=seed, device=self.device)

@@ -26,6 +26,7 @@ from videodit.checkpoint.writer import tensor_bytes
 from videodit.errors import UserError
 
 LOG_NAME = "checkpoints.jsonl"
+SET_ASIDE_PREFIX = "set-aside-"   # checkpoints kept out of the way of a resumed run's saves
 
 
 def _metric_value(metrics: dict, metric: str) -> float | None:
@@ -153,6 +154,7 @@ class CheckpointManager:
         self._writing: Path | None = None   # the staging folder of our own save in flight
         self._snapshot = _Snapshotter()
         self._writer = writer
+        self.skipped: list[tuple[Path, str]] = []   # damaged checkpoints the last latest() passed over
 
     # ------------------------------------------------------------------ when
 
@@ -322,13 +324,37 @@ class CheckpointManager:
 
     def latest(self) -> Path | None:
         """The newest checkpoint whose files all match their manifest checksums; damaged ones
-        are skipped with a warning."""
+        are skipped with a warning and listed in ``skipped`` as (path, problem)."""
+        self.skipped = []
         for path in reversed(list_checkpoints(self.root)):
             problem = verify_checkpoint(path)
             if problem is None:
                 return path
+            self.skipped.append((path, problem))
             warn(f"skipping damaged checkpoint {path}: {problem}; using the next older one")
         return None
+
+    def set_aside_after(self, step: int) -> list[Path]:
+        """Rename the checkpoints newer than ``step`` (damaged ones ``resume=auto`` skipped, or
+        newer ones of a run resumed from an earlier point) to ``set-aside-step-N``, so that
+        this run's saves never replace them: they may still hold good weights. Logged."""
+        moved = []
+        for path in list_checkpoints(self.root):
+            saved_step = int(path.name.split("-")[1])
+            if saved_step <= step:
+                continue
+            target = path.with_name(f"{SET_ASIDE_PREFIX}{path.name}")
+            suffix = 1
+            while target.exists():
+                target = path.with_name(f"{SET_ASIDE_PREFIX}{path.name}.{suffix}")
+                suffix += 1
+            path.rename(target)
+            moved.append(target)
+            print(f"checkpoints: set {path.name} aside as {target.name} (newer than the resumed step {step}; "
+                  "nothing was deleted)", flush=True)
+            self._log({"event": "set_aside", "path": self._rel(target), "step": saved_step,
+                       "reason": f"newer than the resumed step {step}"})
+        return moved
 
     def record_resume(self, path: Path) -> None:
         """Note that this run resumed from ``path``: it is never deleted, and ``ckpt list`` marks it."""

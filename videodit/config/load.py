@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
+import sys
 import typing
 from importlib import resources
 from pathlib import Path
@@ -41,19 +43,72 @@ def _read_source(source: str) -> dict:
         if not path.is_file():
             raise UserError(f"config file {source!r} does not exist; pass a YAML file or one of the "
                             f"presets: {', '.join(builtin_presets())}")
-        text = path.read_text()
+        try:
+            text = path.read_text(encoding="utf-8-sig")
+        except UnicodeDecodeError as exc:
+            raise UserError(f"config {source!r} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     elif source in builtin_presets():
         text = resources.files(PRESETS_PACKAGE).joinpath(f"{source}.yaml").read_text()
     else:
         raise UserError(f"{source!r} is neither a YAML file nor a preset; presets: "
                         f"{', '.join(builtin_presets())}")
-    try:
-        raw = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise UserError(f"config {source!r} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    raw = parse_yaml(text, f"config {source!r}")
+    if raw is None:
+        print(f"note: config {source!r} is empty; using the built-in defaults (videodit config show lists them)",
+              file=sys.stderr)
+        return {}
     if not isinstance(raw, dict):
         raise UserError(f"config {source!r} must be a mapping of keys to values")
     return raw
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key written twice in one mapping (YAML keeps the last
+    silently, so a typo'd copy of a section would quietly win)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is written twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _StrictLoader.construct_mapping)
+
+MAX_YAML_DEPTH = 64   # far beyond any config; deeper nesting is an attack or a generated mistake
+
+
+def parse_yaml(text: str, what: str) -> Any:
+    """Safe YAML (no Python tags, no duplicate keys, bounded nesting) or a one-line UserError."""
+    depth = _nesting(text)
+    if depth > MAX_YAML_DEPTH:
+        raise UserError(f"{what} nests {depth} levels deep (at most {MAX_YAML_DEPTH}); flatten it")
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except yaml.MarkedYAMLError as exc:
+        where = f" (line {exc.problem_mark.line + 1})" if exc.problem_mark is not None else ""
+        raise UserError(f"{what} is not valid YAML: {exc.problem or exc.context}{where}") from None
+    except yaml.YAMLError as exc:
+        raise UserError(f"{what} is not valid YAML: {' '.join(str(exc).split())[:300]}") from None
+    except RecursionError:
+        raise UserError(f"{what} nests too deeply to read; flatten it") from None
+
+
+def _nesting(text: str) -> int:
+    """An upper bound of the flow-style nesting depth ([ and { open, ] and } close) of ``text``;
+    block nesting is bounded by the indentation the parser reads without recursion trouble."""
+    depth = deepest = 0
+    for char in text:
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth = max(depth - 1, 0)
+    return deepest
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -147,6 +202,10 @@ def _check_consistency(cfg: Config) -> None:
     if (m.hidden_size // m.num_heads) % 2:
         raise UserError(f"head size hidden_size/num_heads={m.hidden_size // m.num_heads} must be even "
                         "(rotary embeddings rotate pairs); change model.num_heads")
+    sample_height, sample_width = cfg.sample.height or cfg.data.height, cfg.sample.width or cfg.data.width
+    if sample_height % 2 or sample_width % 2:   # the run ends by writing samples as mp4 (H.264)
+        raise UserError(f"samples are written as mp4, which needs an even height and width; got "
+                        f"{sample_height}x{sample_width} (sample.height/width, else data.height/width): make them even")
     if cfg.data.bucket_config is not None and cfg.data.bucket_config_file is not None:
         raise UserError("set data.bucket_config or data.bucket_config_file, not both")
     if cfg.vae.kind == "diffusers" and not cfg.vae.path:
@@ -193,6 +252,8 @@ def _check_value(key: str, value: Any, hint: Any, meta: typing.Mapping) -> Any:
             raise UserError(f"{key} must be a list, got {value!r}")
         if "length" in meta and len(value) != meta["length"]:
             raise UserError(f"{key} must have {meta['length']} entries, got {len(value)}")
+        if meta.get("nonempty") and not value:
+            raise UserError(f"{key} is empty; give at least one entry")
         return [_check_value(key, v, args[0], meta) for v in value]
     if hint is dict or origin is dict:
         if not isinstance(value, dict):
@@ -216,6 +277,8 @@ def _check_value(key: str, value: Any, hint: Any, meta: typing.Mapping) -> Any:
                 (hint is int and isinstance(value, float) and not value.is_integer()):
             raise UserError(f"{key} must be {'an integer' if hint is int else 'a number'}, got {value!r}")
         value = hint(value)
+        if not math.isfinite(value):
+            raise UserError(f"{key}={value} is not a finite number; give a real value")
         if "min" in meta and value < meta["min"]:
             raise UserError(f"{key}={value} is too small; it must be >= {meta['min']}")
         if "max" in meta and value > meta["max"]:

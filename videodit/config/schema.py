@@ -47,6 +47,9 @@ class ModelConfig:
                                    "temporal RoPE)")
     pooled_caption: bool = opt(False, "add the mean caption embedding (through a small MLP) to the timestep "
                                "embedding, so the caption also drives adaLN (PixArt/SD3)")
+    init_from: Optional[str] = opt(None, "start from these weights (a checkpoint or an exported model folder; its "
+                                   "EMA weights if it has them): weights only, with a fresh optimizer, data "
+                                   "position and step, unlike resume")
 
     def resolved(self) -> "ModelConfig":
         """A copy with every preset-derived field filled in."""
@@ -77,7 +80,8 @@ class DiffusionConfig:
 @dataclass
 class DataConfig:
     csv: str = opt("videodit-toy/train.csv", "training metadata CSV (Open-Sora columns)")
-    make_toy_if_missing: bool = opt(False, "generate the toy dataset if data.csv is a missing train.csv")
+    make_toy_if_missing: bool = opt(False, "generate the toy dataset if data.csv is a missing train.csv in a "
+                                    "videodit-toy* folder (the toy presets' own path)")
     num_frames: int = opt(8, "frames per training clip (1 = images)", min=1)
     frame_interval: int = opt(1, "take every n-th frame of the source clip", min=1)
     height: int = opt(32, "training height in pixels", min=1)
@@ -141,6 +145,9 @@ class TrainConfig:
     deterministic: bool = opt(False, "use deterministic algorithms (bitwise-reproducible on CPU)")
     log_every: int = opt(10, "steps between metrics lines", min=1)
     sample_every: int = opt(0, "steps between sample videos (0 = only at the end)", min=0)
+    on_nonfinite: str = opt("stop", "a step whose loss or gradient norm is NaN/inf: stop the run (no update, no "
+                            "checkpoint of it) or skip the update (counted in metrics as skipped_steps)",
+                            choices=("stop", "skip"))
 
 
 @dataclass
@@ -219,7 +226,7 @@ class ValidationConfig:
 @dataclass
 class SampleConfig:
     prompts: list[str] = opt(["a red circle moving right", "a blue square moving up"],
-                             "prompts for the periodic training samples")
+                             "prompts for the periodic training samples", nonempty=True)
     num_frames: Optional[int] = opt(None, "frames of sampled clips (default: data.num_frames)", min=1)
     height: Optional[int] = opt(None, "height of sampled clips (default: data.height)", min=1)
     width: Optional[int] = opt(None, "width of sampled clips (default: data.width)", min=1)

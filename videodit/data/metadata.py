@@ -48,14 +48,20 @@ def read_metadata(csv_path: str | Path, bad_rows: str = "skip", option: str = "d
     csv_path = Path(csv_path)
     if not csv_path.is_file():
         raise UserError(f"metadata CSV {str(csv_path)!r} does not exist; set {option} to an existing file")
-    with open(csv_path, newline="", encoding="utf-8") as handle:
-        reader = csv.DictReader(handle)
-        header = reader.fieldnames or []
-        missing = [c for c in REQUIRED_COLUMNS if c not in header]
-        if missing:
-            raise UserError(f"{csv_path} is missing column(s) {', '.join(missing)}; Open-Sora metadata "
-                            f"needs {', '.join(REQUIRED_COLUMNS)}")
-        rows = list(reader)
+    # utf-8-sig: spreadsheet programs (Excel) start a UTF-8 CSV with a byte-order mark.
+    try:
+        with open(csv_path, newline="", encoding="utf-8-sig") as handle:
+            reader = csv.DictReader(handle)
+            header = reader.fieldnames or []
+            missing = [c for c in REQUIRED_COLUMNS if c not in header]
+            if missing:
+                raise UserError(f"{csv_path} is missing column(s) {', '.join(missing)}; Open-Sora metadata "
+                                f"needs {', '.join(REQUIRED_COLUMNS)}")
+            rows = list(reader)
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{csv_path} is not UTF-8 text (byte {exc.start}); save it as UTF-8 CSV") from None
+    except csv.Error as exc:
+        raise UserError(f"{csv_path} is not a readable CSV ({exc}); check its quoting") from None
 
     meta = Metadata(csv_path, [], [], [], [], [], [], {name: [] for name in header})
     root = csv_path.parent

@@ -401,12 +401,16 @@ def filter_metadata(in_csv: str, out_csv: str, min_frames: int | None = None,
     Images are rows with ``num_frames == 1`` (what training treats as images);
     ``images=False`` / ``videos=False`` drop them / the rest. Rows failing
     ``read_metadata`` validation are dropped as ``invalid``. Every column is kept, in
-    order, with its original text. ``in_csv`` may equal ``out_csv``.
+    order, with its original text.
 
     Returns ``{"rows", "kept", "dropped", "dropped_by": {reason: count}, "invalid_rows":
     [(CSV line, reason), ...], "csv"}``; ``dropped_by`` holds every reason in
     ``FILTER_REASONS`` and each dropped row is counted under the first one it fails.
+    ``out_csv`` must not be ``in_csv``: the filtered rows would replace the user's data.
     """
+    if Path(out_csv).resolve() == Path(in_csv).resolve():
+        raise UserError(f"-o {out_csv} is the input CSV; write the filtered rows to another file (the input "
+                        "stays as it is)")
     bounds = {
         "frames": (min_frames, max_frames), "height": (min_height, max_height),
         "width": (min_width, max_width), "resolution": (min_resolution, max_resolution),

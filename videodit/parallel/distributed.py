@@ -68,6 +68,22 @@ class DistContext:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def on_main(self, fn):
+        """Run ``fn`` on rank 0 alone and return its result on every rank; a ``UserError`` it
+        raises is raised on every rank with the same message, so all ranks stop alike."""
+        if not self.distributed:
+            return fn()
+        outcome = None
+        if self.is_main:
+            try:
+                outcome = ("ok", fn())
+            except UserError as exc:
+                outcome = ("error", str(exc))
+        kind, value = self.broadcast(outcome)
+        if kind == "error":
+            raise UserError(value)
+        return value
+
     def mean(self, value: float) -> float:
         """The mean of ``value`` over all ranks (for logging)."""
         if not self.distributed:

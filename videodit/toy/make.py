@@ -168,6 +168,10 @@ def make_toy_dataset(out_dir: str | os.PathLike, clips_per_combination: int = 10
                                 image_fraction)
     start_time = time.perf_counter()
     out_dir = Path(out_dir)
+    taken = [name for name in ("train.csv", "val.csv") if (out_dir / name).exists()]
+    if taken:
+        raise UserError(f"{out_dir} already holds {' and '.join(taken)}; make the toy dataset in a new folder "
+                        "(nothing was written)")
     (out_dir / "videos").mkdir(parents=True, exist_ok=True)
 
     seen, heldout = seen_combinations(), list(HELDOUT)
@@ -276,10 +280,16 @@ def _write_clip(out_dir: Path, job: dict, num_frames: int, fps: float, seed: int
     return row
 
 
+TOY_FOLDER_PREFIX = "videodit-toy"   # the toy presets' data folders: videodit-toy, videodit-toy-buckets
+
+
 def ensure_toy_data(cfg: Config) -> None:
-    """Generate the toy dataset for a toy config (its CSV is a missing ``train.csv``)."""
+    """Generate the toy dataset for a toy config: its CSV is a missing ``train.csv`` in a
+    ``videodit-toy*`` folder. Any other missing CSV is a mistake to report, not to paper over
+    with toy data (``read_metadata`` names it)."""
     csv = Path(cfg.data.csv)
-    if csv.exists() or not cfg.data.make_toy_if_missing or csv.name != "train.csv":
+    if (csv.exists() or not cfg.data.make_toy_if_missing or csv.name != "train.csv"
+            or not csv.parent.name.startswith(TOY_FOLDER_PREFIX)):
         return
     print(f"generating the toy dataset in {csv.parent} ...", flush=True)
     toy = cfg.toy

@@ -1,4 +1,7 @@
-"""Training metrics: one JSON object per logged step in metrics.jsonl, plus TensorBoard."""
+"""Training metrics: one JSON object per logged step in metrics.jsonl, plus TensorBoard.
+
+Metrics are not worth a run: a write that fails (a full disk) turns logging off and leaves
+the one-line reason in ``error``, for the trainer to save a checkpoint and stop."""
 
 from __future__ import annotations
 
@@ -6,22 +9,31 @@ import json
 import time
 from pathlib import Path
 
+from videodit.errors import os_error_message
+
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, enabled: bool = True):
+        self.run_dir = run_dir
         self.enabled = enabled
-        self._writer = None
+        self.error: str | None = None
+        self._file = self._writer = None
         if enabled:
-            self._file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self._writer = SummaryWriter(str(run_dir / "tensorboard"))
-            except ImportError:   # tensorboard is a dependency; degrade rather than lose the run
-                self._writer = None
+            self._guarded(self._open)
+
+    def _open(self) -> None:
+        self._file = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+        except ImportError:   # tensorboard is a dependency; degrade rather than lose the run
+            self._writer = None
 
     def log(self, step: int, values: dict) -> None:
-        if not self.enabled:
-            return
+        if self.enabled:
+            self._guarded(self._write, step, values)
+
+    def _write(self, step: int, values: dict) -> None:
         record = {"step": step, **values, "time": round(time.time(), 3)}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
@@ -30,11 +42,23 @@ class MetricsLogger:
                 if isinstance(value, (int, float)) and key != "epoch":
                     self._writer.add_scalar(f"train/{key}", value, step)
 
+    def _guarded(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except OSError as exc:
+            self.error = f"could not write the metrics in {self.run_dir}: {os_error_message(exc)}"
+            self.close()
+
     def close(self) -> None:
-        if self.enabled:
-            self._file.close()
-            if self._writer is not None:
-                self._writer.close()
+        """Close the files; a failure to flush them is already reported by ``error``."""
+        self.enabled = False
+        for handle in (self._file, self._writer):
+            try:
+                if handle is not None:
+                    handle.close()
+            except OSError as exc:
+                self.error = self.error or f"could not write the metrics in {self.run_dir}: {os_error_message(exc)}"
+        self._file = self._writer = None
 
 
 class Throughput:

@@ -20,9 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 
 from videodit.checkpoint import CheckpointManager, LoadedCheckpoint
 from videodit.data.sampler import BucketBatchSampler
+from videodit.errors import UserError
 from videodit.parallel.parallelize import ParallelModel
 from videodit.parallel.state import (full_tensors, gather_stages, load_model_state, load_optimizer_state,
                                      load_shards, optimizer_state, save_shards)
@@ -61,6 +63,7 @@ class TrainState:
         tensors = {"model": self.gather(self.model.state_dict())}
         if self.ema is not None:
             tensors["ema"] = self.gather(self.ema.state_dict())
+        self._check_finite(tensors)
         ema_shards = self.ema.state_dict() if self.ema is not None else None
         sharded = self.parallel.sharded
 
@@ -91,8 +94,41 @@ class TrainState:
         self.ctx.barrier()
         return path
 
+    def _check_shapes(self, ckpt: LoadedCheckpoint) -> None:
+        """The checkpoint's weights must fit this model (a changed model.* under
+        checkpoint.on_config_change=continue does not): read from the file's header only."""
+        try:
+            saved = safe_open(str(ckpt.path / "model.safetensors"), framework="pt")
+        except Exception as exc:   # safetensors raises its own error type for a damaged header
+            raise UserError(f"checkpoint {ckpt.path}: model.safetensors cannot be read ({str(exc)[:120]}); resume "
+                            "from an earlier checkpoint") from None
+        with saved:
+            names = set(saved.keys())
+            for name, tensor in self.model.state_dict().items():   # DTensor shapes are the whole shapes
+                if name not in names:
+                    raise UserError(f"checkpoint {ckpt.path} has no weight {name}: it was written for another "
+                                    "model; resume with that run's model.* or start a new run with model.init_from")
+                shape = tuple(saved.get_slice(name).get_shape())
+                if shape != tuple(tensor.shape):
+                    raise UserError(f"checkpoint {ckpt.path}: {name} is {shape} there but {tuple(tensor.shape)} "
+                                    "here: model.* changed since it was saved; resume with that run's model.*, "
+                                    "or start a new run with model.init_from")
+
+    def _check_finite(self, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Never write a checkpoint with NaN/inf weights (rank 0 holds the whole tensors; it
+        decides for every rank, so all stop alike)."""
+        def problem() -> None:
+            for stem, flat in tensors.items():
+                bad = next((name for name, t in flat.items() if t.is_floating_point() and not t.isfinite().all()),
+                           None)
+                if bad is not None:
+                    raise UserError(f"step {self.progress.step}: {stem} weight {bad} holds NaN/inf; not saving it "
+                                    "(the previous checkpoint is intact); lower train.lr or check the data")
+        self.ctx.on_main(problem)
+
     def load(self, ckpt: LoadedCheckpoint, on_data_change: str) -> None:
         """Load a checkpoint written by any layout (DCP shards or whole tensors) into this one."""
+        self._check_shapes(ckpt)
         ema = self.ema.state_dict() if self.ema is not None and ckpt.has("ema") else None
         if ckpt.has_shards:
             load_shards(ckpt.path, self.model, self.optimizer, ema)
@@ -112,6 +148,30 @@ class TrainState:
         random.setstate(_tuplify(state["python_rng"]))
         kind, keys, *rest = state["numpy_rng"]
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+
+
+def init_weights_from(model: torch.nn.Module, source: str) -> str:
+    """Load the weights of a checkpoint or exported model folder into a freshly built model
+    (``model.init_from``); returns which weights were taken. Shapes must match exactly."""
+    ckpt = LoadedCheckpoint(source)
+    stem = "ema" if ckpt.has("ema") else "model"
+    weights = ckpt.tensors(stem)
+    if stem == "ema":   # the EMA covers the parameters; buffers come from the model weights
+        weights = {**ckpt.tensors("model"), **weights}
+    own = model.state_dict()
+    for name, tensor in own.items():
+        if name not in weights:
+            raise UserError(f"model.init_from={source}: it has no tensor {name}; it was written for another "
+                            "model (check model.* against that run's config.yaml)")
+        if tuple(weights[name].shape) != tuple(tensor.shape):
+            raise UserError(f"model.init_from={source}: {name} is {tuple(weights[name].shape)} there but "
+                            f"{tuple(tensor.shape)} here; set model.* as in that run's config.yaml")
+    extra = sorted(weights.keys() - own.keys())
+    if extra:
+        raise UserError(f"model.init_from={source}: it has tensors this model lacks ({', '.join(extra[:3])}); "
+                        "set model.* as in that run's config.yaml")
+    model.load_state_dict({name: weights[name].to(tensor.dtype) for name, tensor in own.items()})
+    return f"{stem} weights of {ckpt.path} (step {ckpt.step})"
 
 
 def _jsonable(value):

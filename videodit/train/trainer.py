@@ -18,7 +18,7 @@ so a run draws the same noise whatever its data-parallel size.
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +31,7 @@ from videodit.config import Config, to_yaml
 from videodit.data.dataset import BadFileGuard, Batch
 from videodit.data.loader import build_training_data
 from videodit.diffusion.rectified_flow import RectifiedFlow
-from videodit.errors import UserError
+from videodit.errors import UserError, os_error_message
 from videodit.models.stdit import count_parameters
 from videodit.parallel.distributed import init_distributed
 from videodit.parallel.parallelize import parallelize
@@ -39,8 +39,9 @@ from videodit.sample import generate, write_clips
 from videodit.toy.make import ensure_toy_data
 from videodit.train.ema import EMA
 from videodit.train.metrics import MetricsLogger, Throughput
+from videodit.train.run_folder import RunFolder
 from videodit.train.runtime import StopSignals, check_config_change, run_info, seed_everything
-from videodit.train.state import TrainState
+from videodit.train.state import TrainState, init_weights_from
 from videodit.train.validation import Validator
 
 
@@ -70,7 +71,12 @@ class Trainer:
 
         self.vae, self.text = build_encoders(cfg, self.device)
         self.flow = RectifiedFlow(cfg.diffusion)
-        model = build_model(cfg, self.vae, self.text).to(self.device)
+        model = build_model(cfg, self.vae, self.text)
+        if cfg.model.init_from:
+            taken = init_weights_from(model, cfg.model.init_from)
+            if self.is_main:
+                print(f"model.init_from: starting from the {taken}", flush=True)
+        model = model.to(self.device)
         self.num_params = count_parameters(model)
         self.parallel = parallelize(model, self.ctx, cfg.parallel, memory=cfg.memory, loss_fn=self.flow.loss,
                                     autocast_dtype=torch.bfloat16 if use_bf16 else None,
@@ -87,6 +93,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
         self.state = TrainState(self.parallel, self.optimizer, self.scheduler, self.ema, self.sampler)
 
+        self.folder = RunFolder(run_dir)
         ck = cfg.checkpoint
         self.checkpoints = CheckpointManager(run_dir, every_steps=ck.every_steps, every_minutes=ck.every_minutes,
                                              save_total_limit=ck.save_total_limit, keep_best=ck.keep_best,
@@ -95,6 +102,8 @@ class Trainer:
                                    num_timesteps=cfg.validation.num_timesteps,
                                    max_samples=cfg.validation.max_samples) if cfg.validation.csv else None
         self.last_validation: dict = {}
+        self.output_error: str | None = None   # a failed write of samples (see _write_outputs)
+        self.skipped_steps = 0   # updates skipped for a NaN/inf loss or gradient (train.on_nonfinite=skip)
 
     @property
     def step(self) -> int:
@@ -103,12 +112,15 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> dict:
+        self.start_run()
+        try:
+            return self._train()
+        finally:
+            if self.is_main:
+                self.folder.unlock()
+
+    def _train(self) -> dict:
         tc = self.cfg.train
-        self._prepare_run_dir()
-        if self.is_main:
-            for leftover in self.checkpoints.cleanup_staging():
-                print(f"removed {leftover.name}, the leftover of an interrupted save", flush=True)
-        self.resume()
         progress = self.state.progress
         metrics = MetricsLogger(self.run_dir, enabled=self.is_main)
         throughput = Throughput()
@@ -128,22 +140,25 @@ class Trainer:
                     if progress.step % tc.log_every == 0 or progress.step == tc.max_steps:
                         last = {"epoch": progress.epoch, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
                                 "grad_norm": grad_norm, "samples_per_s": round(throughput.read(), 2)}
+                        if self.skipped_steps:
+                            last["skipped_steps"] = self.skipped_steps
                         metrics.log(progress.step, last)
                         bar.set_postfix(loss=f"{loss:.4f}", sps=f"{last['samples_per_s']:.1f}")
                         if bar.disable and self.is_main:
                             print(f"step {progress.step}/{tc.max_steps} loss {loss:.4f} "
                                   f"samples/s {last['samples_per_s']:.1f}", flush=True)
-                    # Clocks and signals differ between ranks: act when any rank asks.
+                    if tc.sample_every and progress.step % tc.sample_every == 0:
+                        self._write_outputs(self.write_samples)
+                    # Clocks, signals and full disks differ between ranks: act when any rank asks.
+                    failed = metrics.error or self.output_error
                     saving = self.ctx.any(self.checkpoints.should_save(progress.step))
-                    stopping = self.ctx.any(stop.requested is not None)
+                    stopping = self.ctx.any(stop.requested is not None or failed is not None)
                     if self.validator and (saving or self._validation_due()):
                         self.validate(metrics)
-                    if tc.sample_every and progress.step % tc.sample_every == 0:
-                        self.write_samples()
                     if saving:
                         self.save()
                 if stopping and self.is_main:
-                    reason = stop.requested or "a signal to another rank"
+                    reason = stop.requested or metrics.error or self.output_error or "a signal to another rank"
                     print(f"stopping on {reason} after step {progress.step}; saving, then resume with resume=auto",
                           flush=True)
             if not self._saved_at_step():
@@ -157,9 +172,21 @@ class Trainer:
             self.checkpoints.wait()
             if self.bad_files.summary():
                 print(self.bad_files.summary(), flush=True)
+        failed = metrics.error or self.output_error
+        if failed is not None:   # the checkpoint is saved; the run still did not finish cleanly
+            raise UserError(f"{failed}; the checkpoint of step {progress.step} was saved; fix that, then resume "
+                            "with resume=auto")
         if progress.step >= tc.max_steps:
             self.write_samples()
         return {"step": progress.step, **last, **self.last_validation}
+
+    def _write_outputs(self, write) -> None:
+        """Run a write that is not a checkpoint (samples); a failure (a full disk) stops the run
+        after the next save instead of losing it."""
+        try:
+            write()
+        except OSError as exc:
+            self.output_error = self.output_error or f"could not write samples: {os_error_message(exc)}"
 
     def train_step(self, micro_batches: list[Batch]) -> tuple[float, float]:
         """One optimizer step over ``micro_batches``; returns (loss, grad norm), both global."""
@@ -170,12 +197,27 @@ class Trainer:
             total += self.parallel.forward_backward(inputs, target, scale=1.0 / len(micro_batches),
                                                     sync=i == len(micro_batches) - 1)
         grad_norm = self.parallel.clip_gradients(self.cfg.train.grad_clip)
+        loss = self.parallel.global_loss(total)   # both are global: every rank decides alike
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            self._nonfinite(loss, grad_norm)
+            return loss, grad_norm
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
             self.ema.update(self.model)
-        return self.parallel.global_loss(total), grad_norm
+        return loss, grad_norm
+
+    def _nonfinite(self, loss: float, grad_norm: float) -> None:
+        """A NaN/inf loss or gradient norm: the weights are not updated; stop, or count a skip."""
+        what = f"loss {loss} and gradient norm {grad_norm} at step {self.step + 1}"
+        if self.cfg.train.on_nonfinite == "stop":
+            raise UserError(f"{what}: stopped without updating the weights (the last checkpoint is intact); "
+                            "lower train.lr, check the data, or set train.on_nonfinite=skip")
+        self.skipped_steps += 1
+        if self.is_main:
+            print(f"{what}: update skipped ({self.skipped_steps} so far)", flush=True)
 
     def loss(self, batch: Batch) -> torch.Tensor:
         """The rectified-flow loss of one micro-batch (not under pipeline parallelism)."""
@@ -241,16 +283,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ run folder, samples
 
-    def _prepare_run_dir(self) -> None:
-        if list_checkpoints(self.ckpt_root) and self.cfg.resume is None:
-            raise UserError(f"{self.run_dir} already holds checkpoints; pass resume=auto to continue "
-                            "that run or --out NEW_DIR to start another")
-        if not self.is_main:
-            return
-        (self.run_dir / "samples").mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
-        (self.run_dir / "run_info.json").write_text(json.dumps(run_info(self.num_params), indent=1))
-
     def write_samples(self) -> list[Path]:
         cfg = self.cfg
         model = self.eval_model()
@@ -284,25 +316,46 @@ class Trainer:
         return self.state.save(self.checkpoints, config_yaml=to_yaml(self.cfg), metrics=self.last_validation or None,
                                blocking=not self.cfg.checkpoint.async_save)
 
-    def resume(self) -> None:
-        """Continue from ``cfg.resume``: ``auto`` (the newest verified checkpoint of the run
-        folder, if any) or a checkpoint path."""
-        source = self.cfg.resume
-        if source is None:
-            return
-        if source == "auto":
-            # Rank 0 verifies checksums and picks; every rank loads the same checkpoint.
-            source = self.ctx.broadcast(self.checkpoints.latest() if self.is_main else None)
-            if source is None:
-                if self.is_main:
-                    print(f"resume=auto: no checkpoint in {self.ckpt_root}, starting fresh", flush=True)
-                return
-        ckpt = LoadedCheckpoint(source)
-        check_config_change(ckpt.config_yaml(), self.cfg)
-        self.state.load(ckpt, self.cfg.data.on_change)
+    def start_run(self) -> None:
+        """Check the run folder and the checkpoint to resume from, then take the folder and
+        resume. Nothing in the folder changes until every check has passed."""
+        source = self.ctx.on_main(self._checked_start)
+        if source is not None:
+            ckpt = LoadedCheckpoint(source)
+            self.state.load(ckpt, self.cfg.data.on_change)
         if self.is_main:
-            self.checkpoints.record_resume(ckpt.path)
-            print(f"resumed from {ckpt.path} at step {self.step}", flush=True)
+            self.folder.write_start(to_yaml(self.cfg), run_info(self.num_params))
+            self.checkpoints.cleanup_staging()
+            self.checkpoints.set_aside_after(self.step)   # this run's saves never replace them
+            if source is not None:
+                self.checkpoints.record_resume(ckpt.path)
+                print(f"resumed from {ckpt.path} at step {self.step}", flush=True)
+
+    def _checked_start(self) -> Path | None:
+        """On rank 0: every check, then the lock; the checkpoint to resume from (or None)."""
+        has_checkpoints = bool(list_checkpoints(self.ckpt_root))
+        self.folder.check(resuming=self.cfg.resume is not None, has_checkpoints=has_checkpoints)
+        source = self._resume_source()
+        if source is not None:
+            check_config_change(LoadedCheckpoint(source).config_yaml(), self.cfg)
+        self.folder.lock()
+        return source
+
+    def _resume_source(self) -> Path | None:
+        """``cfg.resume``: ``auto`` (the newest checkpoint of the run folder that verifies) or a
+        checkpoint path. A run folder whose every checkpoint is damaged is never started over."""
+        source = self.cfg.resume
+        if source != "auto":
+            return None if source is None else Path(source)
+        latest = self.checkpoints.latest()
+        if latest is None and self.checkpoints.skipped:
+            path, problem = self.checkpoints.skipped[0]
+            raise UserError(f"resume=auto: every checkpoint in {self.ckpt_root} is damaged (newest: {path.name}: "
+                            f"{problem}); nothing was changed. Start over with --out NEW_DIR, or keep the weights "
+                            f"with model.init_from={path} --out NEW_DIR")
+        if latest is None:
+            print(f"resume=auto: no checkpoint in {self.ckpt_root}, starting fresh", flush=True)
+        return latest
 
 
 def noise_seed(seed: int, epoch: int, global_batch: int) -> int:
