@@ -553,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:   # under torchrun: another rank stopped, so a collective failed
         if not _peer_gone(exc) or os.environ.get("VIDEODIT_TRACEBACK"):
             raise
-        print(f"error{_rank_tag()}: another rank stopped (its error is above); this rank stops too",
+        print(f"error{_rank_tag()}: another rank stopped (see its message, if it left one), so this one stops too",
               file=sys.stderr)
         return 2
     except KeyboardInterrupt:

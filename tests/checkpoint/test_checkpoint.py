@@ -4,6 +4,7 @@ export, async saves. Small fake states; no trainer."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import pickle
@@ -349,7 +350,8 @@ def test_a_malicious_pickle_is_refused_without_running_it(tmp_path, zip_format):
     else:
         evil_file.write_bytes(pickle.dumps({"state": Evil(marker)}))
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["files"]["optimizer.pt"]["bytes"] = evil_file.stat().st_size
+    manifest["files"]["optimizer.pt"] = {"bytes": evil_file.stat().st_size,   # a consistent manifest:
+                                         "sha256": hashlib.sha256(evil_file.read_bytes()).hexdigest()}
     (path / "manifest.json").write_text(json.dumps(manifest))
     loaded = LoadedCheckpoint(path)
     with pytest.raises(UserError, match="refuses to unpickle"):

@@ -137,6 +137,24 @@ def test_verify_decodes_containers_that_lie_about_frame_counts(tmp_path):
     assert summary["corrected"] == ["cut.mp4"]
 
 
+def test_verify_reports_a_frame_size_change_mid_stream(tmp_path):
+    from clipgen import size_change_mp4
+
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    size_change_mp4(folder / "joined.mp4", _frames(6, 32, 48), _frames(5, 48, 32, seed=1))
+    write_video(folder / "fine.mp4", _frames(6, 32, 32), 8)
+
+    scan([str(folder)], str(folder / "fast.csv"), workers=1, progress=False)   # metadata only
+    assert sorted(r["path"] for r in _read_rows(folder / "fast.csv")) == ["fine.mp4", "joined.mp4"]
+    summary = scan([str(folder)], str(folder / "verified.csv"), workers=2, progress=False, verify=True)
+    assert (summary["ok"], summary["failed"]) == (1, 1)
+    [error] = _read_rows(folder / "verified.errors.csv")
+    assert error["path"] == "joined.mp4"
+    assert "frame size changes mid-stream from 48x32 to 32x48 (width x height) at frame 6" in error["error"]
+    assert "re-encode" in error["error"]
+
+
 def _crashing_probe(path, verify):
     """Stands in for a decoder segfault: the worker process dies on 'crash' files."""
     if os.path.basename(path).startswith("crash"):

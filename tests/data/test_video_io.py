@@ -1,6 +1,7 @@
 """Round trips and failure modes of videodit.data.video."""
 
 import os
+import tracemalloc
 
 import av
 import numpy as np
@@ -147,3 +148,149 @@ def test_unreadable_files_raise_video_read_error(tmp_path, name, content, reason
         with pytest.raises(VideoReadError, match=reason) as info:
             reader(path)
         assert str(path) in str(info.value)
+
+
+# --------------------------------------------------------------------------- reading frames by number
+
+from clipgen import encode_h264, moving_frames, size_change_mp4  # noqa: E402
+
+
+def _windows(total, rng, count=25):
+    """Frame-number lists like the dataset asks for, plus unsorted and repeated ones."""
+    picks = [[0], [total - 1], list(range(total - 4, total)), [total - 1] * 3 + [0], [7, 3, 3, 50 % total]]
+    for _ in range(count):
+        start, step = int(rng.integers(0, total)), int(rng.integers(1, 4))
+        picks.append(np.minimum(start + step * np.arange(8), total - 1).tolist())
+    return picks
+
+
+@pytest.mark.parametrize("keyint, pts", [
+    (4, None),            # small GOP: many keyframes to seek to
+    (1000, None),         # one keyframe: decode from the start, stop after the window
+    (10, "variable"),     # variable frame rate: frame numbers cannot come from time
+])
+def test_indices_give_exactly_the_frames_of_a_full_decode(tmp_path, keyint, pts):
+    total = 120
+    rng = np.random.default_rng(keyint)
+    if pts == "variable":
+        pts = np.cumsum(rng.integers(1, 4, total)).tolist()
+    path = tmp_path / "clip.mp4"
+    encode_h264(path, moving_frames(total, 32, 48), keyint=keyint, pts=pts)
+    full, fps = read_video(path)
+    assert len(full) == total
+    for wanted in _windows(total, rng):
+        got, got_fps = read_video(path, indices=wanted)
+        np.testing.assert_array_equal(got, full[wanted], err_msg=f"indices {wanted}")
+        assert got_fps == fps
+    # A callable gets the frame count, as the dataset's sampler needs it.
+    got, _ = read_video(path, indices=lambda n: [n - 1, 0])
+    np.testing.assert_array_equal(got, full[[total - 1, 0]])
+
+
+class _PacketSpy:
+    """Wraps av.open to count the packets read after each seek."""
+
+    def __init__(self, monkeypatch):
+        self.after_seek: list[int] = []
+        real_open = av.open
+
+        def spy_open(*args, **kwargs):
+            return _SpiedContainer(real_open(*args, **kwargs), self.after_seek)
+
+        monkeypatch.setattr(av, "open", spy_open)
+
+
+class _SpiedContainer:
+    def __init__(self, container, after_seek):
+        self._container, self._after_seek, self._seeked = container, after_seek, False
+
+    def __getattr__(self, name):
+        return getattr(self._container, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self._container.__exit__(*exc)
+
+    def seek(self, *args, **kwargs):
+        self._seeked = True
+        self._after_seek.append(0)
+        return self._container.seek(*args, **kwargs)
+
+    def demux(self, *args, **kwargs):
+        for packet in self._container.demux(*args, **kwargs):
+            if self._seeked:
+                self._after_seek[-1] += 1
+            yield packet
+
+
+def test_a_window_decodes_from_the_keyframe_before_it_and_stops_after_it(tmp_path, monkeypatch):
+    path = tmp_path / "clip.mp4"
+    encode_h264(path, moving_frames(200, 32, 48), keyint=8, bframes=0)
+    spy = _PacketSpy(monkeypatch)
+    read_video(path, indices=[150, 151, 152], threaded=False)   # frame threads would read ahead
+    # Frame 150 follows the keyframe at 144: packets 144..152, not the 200 of the clip.
+    assert spy.after_seek == [152 - 144 + 1]
+
+
+def test_a_window_holds_only_its_frames_in_memory(tmp_path):
+    path = tmp_path / "clip.mp4"
+    encode_h264(path, moving_frames(300, 64, 64), keyint=30)
+    peaks = []
+    for indices in (None, [200, 201, 202, 203]):
+        tracemalloc.start()
+        read_video(path, indices=indices)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    whole = 300 * 64 * 64 * 3
+    assert peaks[0] >= whole and peaks[1] < whole / 20, peaks
+
+
+def test_indices_on_images_and_gifs(tmp_path):
+    frames = _blocks_clip(num_frames=6, height=16, width=16)
+    write_video(tmp_path / "clip.gif", frames, fps=8)
+    got, _ = read_video(tmp_path / "clip.gif", indices=[5, 0, 5])
+    np.testing.assert_array_equal(got, frames[[5, 0, 5]])
+    write_video(tmp_path / "still.png", frames[:1], fps=8)
+    got, fps = read_video(tmp_path / "still.png", indices=[0, 0, 0])
+    np.testing.assert_array_equal(got, frames[[0, 0, 0]])
+    assert fps == IMAGE_FPS
+
+
+def test_indices_past_the_end_raise_video_read_error(tmp_path):
+    path = tmp_path / "clip.mp4"
+    write_video(path, _blocks_clip(num_frames=8), fps=8)
+    with pytest.raises(VideoReadError, match="frame 8 was asked for but the video has 8 frames"):
+        read_video(path, indices=[0, 8])
+
+
+def test_a_stream_that_changes_size_reads_at_its_first_size(tmp_path):
+    green, red = (30, 200, 30), (200, 30, 30)
+    path = tmp_path / "concatenated.mp4"
+    size_change_mp4(path, np.full((6, 32, 48, 3), green, np.uint8), np.full((5, 48, 32, 3), red, np.uint8))
+    frames, fps = read_video(path)   # np.stack of 48x32 and 32x48 frames used to raise ValueError
+    assert frames.shape == (11, 32, 48, 3) and fps == pytest.approx(8.0)
+    np.testing.assert_allclose(frames[:6].reshape(-1, 3).mean(axis=0), green, atol=4)
+    np.testing.assert_allclose(frames[6:].reshape(-1, 3).mean(axis=0), red, atol=4)   # rescaled
+    window, _ = read_video(path, indices=[9, 10])
+    np.testing.assert_array_equal(window, frames[[9, 10]])
+
+
+def test_indices_on_a_cut_file_follow_the_frames_that_decode(tmp_path):
+    # Index (moov) at the front, then cut: more packets survive than frames decode, so
+    # frame numbers must come from a full decode, as they always did.
+    whole = tmp_path / "whole.mp4"
+    with av.open(str(whole), "w", format="mp4", options={"movflags": "faststart"}) as container:
+        stream = container.add_stream("libx264", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+        for rgb in np.random.default_rng(0).integers(0, 256, (12, 32, 32, 3), dtype=np.uint8):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")))
+        container.mux(stream.encode(None))
+    data = whole.read_bytes()
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(data[: len(data) * 2 // 3])
+    full, _ = read_video(cut)
+    assert 0 < len(full) < 12
+    got, _ = read_video(cut, indices=lambda total: [total // 2])
+    np.testing.assert_array_equal(got, full[[len(full) // 2]])

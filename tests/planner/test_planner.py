@@ -122,8 +122,10 @@ def test_plan_json_lists_every_bucket_and_fits_the_budget(toy_dir, capsys):
     for b in rows.values():
         assert 0 < b["predicted_peak_bytes"] <= 0.9 * 2 * 2**30
         assert b["max_batch_size"] >= 1
-    # More tokens per sample: fewer samples fit.
+        assert b["hardware_flops_per_sample"] >= b["model_flops_per_sample"] > 0
+    # More tokens per sample: fewer samples fit, more FLOPs per sample.
     assert rows[("24px", 8)]["max_batch_size"] < rows[("24px", 1)]["max_batch_size"]
+    assert rows[("24px", 8)]["model_flops_per_sample"] > rows[("24px", 1)]["model_flops_per_sample"]
 
 
 def test_plan_names_the_cheapest_fix_and_writes_a_loadable_bucket_config(toy_dir, tmp_path, capsys):
@@ -131,6 +133,7 @@ def test_plan_names_the_cheapest_fix_and_writes_a_loadable_bucket_config(toy_dir
     overrides = preset_overrides(toy_dir, "S", **{"data.bucket_config": "{64px: {8: [1.0, 4]}, 16px: {8: [1.0, 4]}}"})
     assert main(["plan", *overrides, "--gpu-mem", "3GiB", "--write-bucket-config", str(out_file)]) == 0
     table = capsys.readouterr().out
+    assert "TFLOP/sample" in table.splitlines()[1]
     assert "does not fit at batch 1; try memory.checkpointing=full (all blocks)" in table
     written = yaml.safe_load(out_file.read_text())["bucket_config"]
     assert written["64px"][8] == [0.0, None]           # switched off: nothing fits

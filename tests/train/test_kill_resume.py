@@ -47,3 +47,22 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(toy_dir, tmp_path):
     assert "stopping on SIGTERM" in out
     last_step = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert (run / "checkpoints" / f"step-{last_step:07d}" / "manifest.json").is_file()
+
+
+def test_a_rank_killed_under_torchrun_restarts_and_resumes_exactly(toy_dir, tmp_path):
+    """torchrun --max-restarts: SIGKILL one of two FSDP workers mid-run; the group restarts,
+    resumes from the last complete checkpoint and ends with the uninterrupted run's weights."""
+    import random
+
+    steps = 6
+    straight = tmp_path / "straight"
+    subprocess.run(train_command(straight, toy_dir, steps, "fsdp"), check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    killed = tmp_path / "killed"
+    stats = run_with_kills(killed, toy_dir, steps, kills=1, rng=random.Random(0), log=lambda _: None, layout="fsdp")
+    assert stats["kills"] == 1
+    a = load_file(str(straight / f"checkpoints/step-{steps:07d}/model.safetensors"))
+    b = load_file(str(killed / f"checkpoints/step-{steps:07d}/model.safetensors"))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    events = [json.loads(line)["event"] for line in (killed / "checkpoints.jsonl").read_text().splitlines()]
+    assert "resume" in events

@@ -5,19 +5,19 @@ is ``train/state.py``'s business.
 Modules, each importing only the ones above it:
 
     writer.py   checked, hashed, fsynced file writes; the safetensors encoder
-    io.py       the folder format: names, write/save, manifests, verification
-    loaded.py   LoadedCheckpoint: reading a checkpoint or an export folder
+    io.py       the folder format: names, write/save, manifests, checked reads, verification
+    loaded.py   LoadedCheckpoint: reading a checkpoint or an export folder, every file checked
     manager.py  CheckpointManager: when to save, retention, event log, async saves
     tools.py    ckpt list / inspect / export
 """
 
-from videodit.checkpoint.io import (checkpoint_name, list_checkpoints, resolve_checkpoint, save_checkpoint,
-                                    verify_checkpoint, write_checkpoint)
+from videodit.checkpoint.io import (checkpoint_name, damaged_files, list_checkpoints, resolve_checkpoint,
+                                    save_checkpoint, verify_checkpoint, write_checkpoint)
 from videodit.checkpoint.loaded import LoadedCheckpoint
 from videodit.checkpoint.manager import CheckpointManager
 from videodit.checkpoint.tools import export, format_inspect, format_list, inspect, list_run
 from videodit.checkpoint.writer import write_safetensors
 
-__all__ = ["CheckpointManager", "LoadedCheckpoint", "checkpoint_name", "export", "format_inspect", "format_list",
-           "inspect", "list_checkpoints", "list_run", "resolve_checkpoint", "save_checkpoint", "verify_checkpoint",
-           "write_checkpoint", "write_safetensors"]
+__all__ = ["CheckpointManager", "LoadedCheckpoint", "checkpoint_name", "damaged_files", "export", "format_inspect",
+           "format_list", "inspect", "list_checkpoints", "list_run", "resolve_checkpoint", "save_checkpoint",
+           "verify_checkpoint", "write_checkpoint", "write_safetensors"]

@@ -13,6 +13,10 @@ instead of a short file with a valid-looking manifest. A checkpoint is deleted b
 it to ``.deleting-*`` first, so a crash mid-delete never leaves a half-deleted folder that
 looks complete. Nothing here unpickles arbitrary objects.
 
+Reading is checked (:class:`CheckedReader`): a file must be a regular file of the size its
+manifest entry lists (so a device or FIFO never hangs a reader) and is hashed while it is
+read; :func:`verify_checkpoint` and :func:`damaged_files` check whole folders.
+
 This module is the format: names, writing one folder (:func:`write_checkpoint`,
 :func:`save_checkpoint`), manifests and :func:`verify_checkpoint`. When to save and what to
 keep is ``manager.py``; reading a checkpoint is ``loaded.py``.
@@ -21,19 +25,21 @@ keep is ``manager.py``; reading a checkpoint is ``loaded.py``.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import math
 import os
 import re
 import shutil
+import stat
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from videodit.checkpoint.writer import (HashingWriter, Pipe, fsync_path, sha256_file, write_tensors, write_text,
-                                        write_torch)
+from videodit.checkpoint.writer import (CHUNK as _CHUNK, HashingWriter, Pipe, fsync_path, shared_hasher,
+                                        write_tensors, write_text, write_torch)
 from videodit.errors import UserError
 
 CHECKPOINT_RE = re.compile(r"^step-(\d{7,})$")
@@ -79,13 +85,249 @@ def resolve_checkpoint(path: str | Path) -> Path:
                     "checkpoints/step-NNNNNNN folder or an export folder")
 
 
-def read_manifest(path: Path) -> dict | None:
-    """The manifest of a checkpoint folder, or None if it is missing or unreadable."""
+MANIFEST_MAX_BYTES = 64 << 20   # a manifest lists files; one of 64 MiB is not a videodit manifest
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+class ManifestError(ValueError):
+    """A manifest.json that is missing, not JSON or not in the format; the message says which."""
+
+
+class Damaged(Exception):
+    """A checkpoint file that does not match its manifest entry; the message says how."""
+
+
+def load_manifest(path: Path) -> dict:
+    """The manifest of a checkpoint folder, checked: a JSON object whose ``files`` maps relative
+    names inside the folder to ``{"bytes": int, "sha256": hex}``. Raises ManifestError."""
     try:
-        manifest = json.loads((path / "manifest.json").read_text())
-        return manifest if isinstance(manifest, dict) else None
-    except (OSError, ValueError):
+        data = read_regular(path / "manifest.json", limit=MANIFEST_MAX_BYTES)
+    except Damaged as exc:
+        raise ManifestError(str(exc)) from None
+    try:
+        manifest = json.loads(data)
+    except (ValueError, RecursionError):
+        raise ManifestError("manifest.json is not JSON") from None
+    if not isinstance(manifest, dict):
+        raise ManifestError("manifest.json is not a JSON object")
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise ManifestError("manifest.json has no 'files' mapping")
+    for name, info in files.items():
+        parts = name.split("/")
+        if (not name or name.startswith("/") or "\\" in name or "\0" in name
+                or any(part in ("", ".", "..") for part in parts)):
+            raise ManifestError(f"manifest.json lists {name[:80]!r}, which is not a file inside the checkpoint")
+        if not isinstance(info, dict) or not _entry_ok(info):
+            raise ManifestError(f"manifest.json: the entry of {name} lacks a byte count or a SHA-256")
+    return manifest
+
+
+def _entry_ok(info: dict) -> bool:
+    size, sha = info.get("bytes"), info.get("sha256")
+    return (isinstance(size, int) and not isinstance(size, bool) and size >= 0
+            and isinstance(sha, str) and _SHA256_RE.match(sha) is not None)
+
+
+def read_manifest(path: Path) -> dict | None:
+    """The manifest of a checkpoint folder, or None if it is missing, unreadable or malformed."""
+    try:
+        return load_manifest(path)
+    except ManifestError:
         return None
+
+
+# ---------------------------------------------------------------------------- reading, checked
+
+
+def open_regular(file: Path, size: int | None = None, name: str | None = None) -> int:
+    """A read-only descriptor of ``file``, which must be a regular file (a symlink to one is
+    fine) and, when ``size`` is given, exactly ``size`` bytes long. Opened non-blocking, so a
+    FIFO never hangs the open; a device, FIFO or folder is refused before anything is read.
+    Raises Damaged, naming the file ``name`` (default: its file name)."""
+    name = name or file.name
+    try:
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise Damaged(f"{name} is missing") from None
+    except OSError as exc:
+        raise Damaged(f"{name} cannot be read ({exc.strerror or exc})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise Damaged(f"{name} is not a regular file")
+        if size is not None and info.st_size != size:
+            raise Damaged(f"{name} has {info.st_size} bytes, the manifest says {size}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(file: Path, limit: int) -> bytes:
+    """The bytes of a small regular file of at most ``limit`` bytes. Raises Damaged."""
+    fd = open_regular(file)
+    try:
+        chunks, total = [], 0
+        while chunk := _read(fd, file, min(limit + 1 - total, _CHUNK)):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise Damaged(f"{file.name} is larger than {limit >> 20} MiB")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _read(fd: int, file: Path, size: int) -> bytes:
+    try:
+        return os.read(fd, size) if size > 0 else b""
+    except OSError as exc:
+        raise Damaged(f"{file.name} cannot be read ({exc.strerror or exc})") from None
+
+
+_READ_CHUNK = 4 << 20   # bytes per read call while hashing: small enough to overlap, large enough to be cheap
+_IOV_MAX = 512          # buffers per readv call (POSIX guarantees 16, Linux allows 1024)
+
+
+class CheckedReader:
+    """Sequential reads of one file, checked against its manifest entry: a regular file of
+    ``size`` bytes (no more is ever read) whose SHA-256 is ``sha256`` (None: the size only).
+
+    The bytes go straight into the caller's memory (:meth:`readinto_many` fills many small
+    buffers with one ``readv``), and each batch is hashed on a hasher thread while the next
+    one is read, so a file is read once; :meth:`finish` checks the end and the hash. Whatever
+    was read before ``finish`` succeeds is unverified: use it only after. Raises Damaged. A
+    context manager (closing on exit).
+    """
+
+    def __init__(self, file: Path, size: int, sha256: str | None, name: str | None = None):
+        self.file, self.size, self.sha256 = file, size, sha256
+        self.name = name or file.name   # as messages call it: the name in the manifest
+        self.pos = 0
+        self._digest = hashlib.sha256() if sha256 is not None else None
+        self._worker = None
+        self._pending = None   # (Done, the buffers it hashes): at most one batch in flight
+        self._scratch: list[bytearray] = []
+        self._turn = 0
+        self.fd = open_regular(file, size, self.name)
+        if self._digest is not None and size > _READ_CHUNK:
+            self._worker = shared_hasher()
+
+    def __enter__(self) -> CheckedReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def readinto(self, view) -> None:
+        """Fill ``view`` (writable bytes) with the next ``len(view)`` bytes of the file."""
+        self.readinto_many([view])
+
+    def readinto_many(self, views) -> None:
+        """Fill each of ``views`` (writable bytes) in turn with the next bytes of the file."""
+        batch, total = [], 0
+        for view in views:
+            view = memoryview(view).cast("B")
+            for start in range(0, len(view), _READ_CHUNK):
+                piece = view[start:start + _READ_CHUNK]
+                if batch and (total + len(piece) > _READ_CHUNK or len(batch) >= _IOV_MAX):
+                    self._fill(batch, total)
+                    batch, total = [], 0
+                batch.append(piece)
+                total += len(piece)
+        if batch:
+            self._fill(batch, total)
+
+    def _fill(self, batch: list[memoryview], total: int) -> None:
+        if self.pos + total > self.size:
+            raise Damaged(f"{self.name}: a read past its {self.size} bytes")
+        left, first, got = list(batch), 0, 0
+        while got < total:
+            try:
+                count = os.readv(self.fd, left[first:first + _IOV_MAX])
+            except OSError as exc:
+                raise Damaged(f"{self.name} cannot be read ({exc.strerror or exc})") from None
+            if count == 0:
+                raise Damaged(f"{self.name} ended after {self.pos + got} bytes, the manifest says {self.size}")
+            got += count
+            while count and first < len(left):   # skip the buffers this read filled
+                if count >= len(left[first]):
+                    count -= len(left[first])
+                    first += 1
+                else:
+                    left[first] = left[first][count:]
+                    count = 0
+        self.pos += total
+        self._hash(batch)
+
+    def read(self, count: int) -> bytearray:
+        data = bytearray(count)
+        self.readinto(memoryview(data))
+        return data
+
+    def skip(self, count: int) -> None:
+        """Read (and hash) ``count`` bytes into scratch buffers."""
+        while count > 0:
+            if not self._scratch:
+                self._scratch = [bytearray(min(_READ_CHUNK, count)) for _ in range(2)]
+            buffer = self._scratch[self._turn]   # the other one may still be hashing
+            self._turn ^= 1
+            step = min(count, len(buffer))
+            self.readinto(memoryview(buffer)[:step])
+            count -= step
+
+    def _hash(self, batch: list[memoryview]) -> None:
+        if self._digest is None:
+            return
+        if self._worker is None:
+            _update(self._digest, batch)
+            return
+        self._settle()
+        self._pending = (self._worker.submit(_update, self._digest, batch), batch)
+
+    def _settle(self) -> None:
+        if self._pending is not None:
+            done, self._pending = self._pending[0], None
+            done.result()
+
+    def finish(self) -> None:
+        """Check that the file ends here and matches its SHA-256; raise Damaged if not."""
+        self.skip(self.size - self.pos)
+        try:
+            extra = os.read(self.fd, 1)
+        except OSError as exc:
+            raise Damaged(f"{self.name} cannot be read ({exc.strerror or exc})") from None
+        if extra:
+            raise Damaged(f"{self.name} is longer than the manifest's {self.size} bytes")
+        self._settle()
+        if self._digest is not None and self._digest.hexdigest() != self.sha256:
+            raise Damaged(f"{self.name} does not match its SHA-256 in the manifest")
+
+    def close(self) -> None:
+        if self._pending is not None:   # never free memory the hasher still reads
+            self._pending[0].wait()
+            self._pending = None
+        self._worker = None   # a shared thread: it keeps running
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _update(digest, batch: list[memoryview]) -> None:
+    for view in batch:
+        digest.update(view)
+
+
+def check_file(folder: Path, name: str, info: dict) -> str | None:
+    """None if ``folder/name`` matches its manifest entry (a regular file with its size and
+    SHA-256, read once); otherwise what is wrong."""
+    try:
+        with CheckedReader(folder / name, info["bytes"], info["sha256"], name) as reader:
+            reader.finish()
+    except Damaged as exc:
+        return str(exc)
+    return None
 
 
 # ---------------------------------------------------------------------------- writing
@@ -135,21 +377,26 @@ def write_checkpoint(root: Path, step: int, *, tensors: dict[str, dict[str, torc
         staging.mkdir()
         if staging_hook is not None:
             staging_hook(staging)
-        extra = {}
-        if write_shards is not None:
-            write_shards(staging)
-            extra = {file.relative_to(staging).as_posix(): {"bytes": file.stat().st_size, "sha256": sha256_file(file)}
-                     for file in sorted(staging.rglob("*")) if file.is_file()}
         writers: dict[str, HashingWriter] = {}
+        shards: dict[str, tuple[int, object]] = {}
         pipe = Pipe()
         try:
-            for stem, flat in tensors.items():
-                writers[f"{stem}.safetensors"] = write_tensors(staging / f"{stem}.safetensors", flat, pipe)
+            if write_shards is not None:
+                write_shards(staging)
+                # Written (and fsynced) by DCP on every rank; hashed here on the hasher threads
+                # while the files below are written.
+                shards = {file.relative_to(staging).as_posix(): (file.stat().st_size, pipe.hash_file(file))
+                          for file in sorted(staging.rglob("*")) if file.is_file()}
+            # The optimizer state first (the largest file, and torch.save keeps this thread busy
+            # longest), so its fsync overlaps the writing of the others; small files come last.
             for stem, state in torch_states.items():
                 writers[f"{stem}.pt"] = write_torch(staging / f"{stem}.pt", state, pipe)
+            for stem, flat in sorted(tensors.items(), key=lambda item: -_nbytes(item[1])):
+                writers[f"{stem}.safetensors"] = write_tensors(staging / f"{stem}.safetensors", flat, pipe)
             writers["state.json"] = write_text(staging / "state.json", json.dumps(json_state, indent=1), pipe)
             writers["config.yaml"] = write_text(staging / "config.yaml", config_yaml, pipe)
             pipe.finish()   # every file is on disk before the manifest says so
+            extra = {name: {"bytes": size, "sha256": done.result()} for name, (size, done) in shards.items()}
             files = dict(sorted({**extra, **{name: writer.record() for name, writer in writers.items()}}.items()))
         finally:
             pipe.close()
@@ -172,6 +419,10 @@ def write_checkpoint(root: Path, step: int, *, tensors: dict[str, dict[str, torc
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return final, sum(f["bytes"] for f in files.values()) + len(text.encode())
+
+
+def _nbytes(tensors: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor))
 
 
 def describe_os_error(exc: OSError) -> tuple[str, str]:
@@ -220,25 +471,43 @@ def save_checkpoint(root: Path, step: int, *, tensors: dict[str, dict[str, torch
 
 
 def verify_checkpoint(path: Path, files: list[str] | None = None) -> str | None:
-    """None if the manifest is readable and every listed file (or ``files``) has its size and
-    SHA-256; otherwise a short description of the damage."""
+    """None if the manifest is readable and every listed file (or ``files``) is a regular file
+    with its size and SHA-256; otherwise a short description of the first damage."""
+    problems = damaged_files(path, files, first=True)
+    return next(iter(problems.values()), None)
+
+
+def damaged_files(path: Path, files: list[str] | None = None, first: bool = False,
+                  checksums: bool = True) -> dict[str, str]:
+    """``{name: problem}`` for the listed files (or ``files``) that do not match the manifest
+    (``manifest.json`` itself when the manifest is malformed); empty when all match. Every file
+    is read once (``checksums=False``: types and sizes only, nothing read); ``first`` stops at
+    the first damaged one."""
     try:
-        manifest = json.loads((path / "manifest.json").read_text())
-        entries = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "manifest.json is missing or unreadable"
+        entries = load_manifest(path)["files"]
+    except ManifestError as exc:
+        return {"manifest.json": str(exc)}
+    problems = {}
     for name in files if files is not None else sorted(entries):
         info = entries.get(name)
         if info is None:
-            return f"{name} is not in the manifest"
-        file = path / name
-        try:
-            if file.stat().st_size != info["bytes"]:
-                return f"{name} has {file.stat().st_size} bytes, the manifest says {info['bytes']}"
-            if info.get("sha256") and sha256_file(file) != info["sha256"]:
-                return f"{name} does not match its SHA-256 in the manifest"
-        except OSError as exc:
-            return f"{name} cannot be read ({exc.strerror or exc})"
+            problem = f"{name} is not in the manifest"
+        elif checksums:
+            problem = check_file(path, name, info)
+        else:
+            problem = _check_size(path / name, info["bytes"], name)
+        if problem is not None:
+            problems[name] = problem
+            if first:
+                break
+    return problems
+
+
+def _check_size(file: Path, size: int, name: str) -> str | None:
+    try:
+        os.close(open_regular(file, size, name))
+    except Damaged as exc:
+        return str(exc)
     return None
 
 

@@ -5,8 +5,9 @@ an atomic export of the weights for sampling or sharing.
     inspect(ckpt) -> dict              format_inspect(info) -> str
     export(ckpt, out_dir, use_ema=False, dtype="fp32") -> Path
 
-None of these unpickles anything: tensors are read from safetensors headers or files, and
-the optimizer state is never loaded.
+None of these unpickles anything: tensors are read from safetensors headers (parsed by
+``loaded.py``) or files, and the optimizer state is never loaded. ``list`` and ``inspect`` read every file of a checkpoint
+to check it against its manifest (size and SHA-256) and show the damaged ones.
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ from pathlib import Path
 
 import torch
 import yaml
-from safetensors import safe_open
 
-from videodit.checkpoint.io import (EXPORT_RECORD, EXPORT_RUN_CONFIG, STAGING_PREFIX, describe_os_error,
-                                    list_checkpoints, read_manifest, verify_checkpoint, warn)
+from videodit.checkpoint.io import (EXPORT_RECORD, EXPORT_RUN_CONFIG, STAGING_PREFIX, damaged_files,
+                                    describe_os_error, list_checkpoints, read_manifest, warn)
 from videodit.checkpoint.loaded import LoadedCheckpoint
 from videodit.checkpoint.manager import best_checkpoints, read_events
 from videodit.checkpoint.writer import fsync_path, write_safetensors
@@ -53,14 +53,17 @@ def _fmt(value) -> str:
 # ---------------------------------------------------------------------------- list
 
 
-def list_run(run_dir: str | Path, metric: str | None = None, mode: str | None = None) -> list[dict]:
+def list_run(run_dir: str | Path, metric: str | None = None, mode: str | None = None,
+             checksums: bool = True) -> list[dict]:
     """One row per complete checkpoint of a run folder, oldest first.
 
-    Row: ``step, name, path, time, metrics, bytes, marks`` where marks may hold ``best`` (the
-    best by the run's retention metric; the ``keep_best`` best when that is set), ``resumed``
-    (a run resumed from it, per ``checkpoints.jsonl``) and ``damaged`` (a file is missing or
-    has the wrong size; checksums are not read here). ``metric``/``mode`` default to the
-    settings the run logged, else ``val_loss``/``min``.
+    Row: ``step, name, path, time, metrics, bytes, marks, damaged`` where marks may hold
+    ``best`` (the best by the run's retention metric; the ``keep_best`` best when that is set),
+    ``resumed`` (a run resumed from it, per ``checkpoints.jsonl``) and ``damaged`` (the
+    manifest is malformed, or a file is missing, not a regular file, or differs from its size
+    or SHA-256 in the manifest; ``damaged`` maps each such file to its problem). Every file is
+    read to check its SHA-256 (``checksums=False``: types and sizes only). ``metric``/``mode``
+    default to the settings the run logged, else ``val_loss``/``min``.
     """
     run_dir = Path(run_dir)
     root = run_dir / "checkpoints"
@@ -75,33 +78,32 @@ def list_run(run_dir: str | Path, metric: str | None = None, mode: str | None = 
                       if e.get("event") == "save" and isinstance(e.get("retention"), dict)), {})
     metric = metric or retention.get("metric") or "val_loss"
     mode = mode or retention.get("mode") or "min"
-    keep_best = max(int(retention.get("keep_best") or 0), 1)
+    try:
+        keep_best = max(int(retention.get("keep_best") or 0), 1)
+    except (TypeError, ValueError):
+        keep_best = 1
 
     resumed = set()
     for event in events:
-        if event.get("event") == "resume" and event.get("path"):
+        if event.get("event") == "resume" and isinstance(event.get("path"), str):
             path = Path(event["path"])
             resumed.add((path if path.is_absolute() else run_dir / path).resolve())
 
     rows = []
     for path in list_checkpoints(root):
-        manifest = read_manifest(path)
-        marks = []
-        files = (manifest or {}).get("files") if isinstance((manifest or {}).get("files"), dict) else None
-        if files is None:
-            marks.append("damaged")
-            size = None
-        else:
-            size = sum(int(info.get("bytes", 0)) for info in files.values())
-            if any(not (path / name).is_file() or (path / name).stat().st_size != info.get("bytes")
-                   for name, info in files.items()):
-                marks.append("damaged")
+        manifest = read_manifest(path) or {}
+        damaged = damaged_files(path, checksums=checksums)
+        files = manifest.get("files") or {}
+        marks = ["damaged"] if damaged else []
         if path.resolve() in resumed:
             marks.append("resumed")
-        step = (manifest or {}).get("step")
-        rows.append({"step": step if step is not None else int(path.name.split("-")[1]), "name": path.name,
-                     "path": str(path), "time": (manifest or {}).get("saved_at"),
-                     "metrics": (manifest or {}).get("metrics") or {}, "bytes": size, "marks": marks})
+        step = manifest.get("step")
+        metrics = manifest.get("metrics") if isinstance(manifest.get("metrics"), dict) else {}
+        saved = manifest.get("saved_at")
+        rows.append({"step": step if isinstance(step, int) else int(path.name.split("-")[1]), "name": path.name,
+                     "path": str(path), "time": str(saved) if saved is not None else None, "metrics": metrics,
+                     "bytes": sum(info["bytes"] for info in files.values()) if manifest else None,
+                     "marks": marks, "damaged": damaged})
     best = set(best_checkpoints([(Path(r["path"]), r["metrics"]) for r in rows], metric, mode, keep_best))
     for row in rows:
         if Path(row["path"]) in best:
@@ -121,56 +123,74 @@ def format_list(rows: list[dict]) -> str:
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     lines = ["  ".join(cell.ljust(w) if i else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths))).rstrip()
              for r in table]
+    for row in rows:
+        for problem in (row.get("damaged") or {}).values():
+            lines.append(f"step {row['step']} is damaged: {problem}")
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------- inspect
 
 
-def _tensor_summary(file: Path) -> dict:
+def _tensor_summary(loaded: LoadedCheckpoint, stem: str) -> dict:
     """Names, shapes, dtypes and counts of a safetensors file, from its header only."""
     tensors, dtypes, params = [], {}, 0
-    with safe_open(str(file), framework="pt") as handle:
-        for name in handle.keys():
-            view = handle.get_slice(name)
-            shape, dtype = list(view.get_shape()), view.get_dtype()
-            count = 1
-            for dim in shape:
-                count *= dim
-            params += count
-            dtypes[dtype] = dtypes.get(dtype, 0) + 1
-            tensors.append({"name": name, "shape": shape, "dtype": dtype})
+    for name, spec in loaded.tensor_specs(stem).items():
+        count = 1
+        for dim in spec["shape"]:
+            count *= dim
+        params += count
+        dtypes[spec["dtype"]] = dtypes.get(spec["dtype"], 0) + 1
+        tensors.append({"name": name, **spec})
     return {"count": len(tensors), "params": params, "dtypes": dtypes, "tensors": tensors}
 
 
 def inspect(ckpt: str | Path) -> dict:
-    """What a checkpoint (or export) holds: manifest, training-state summary, tensors per file."""
+    """What a checkpoint (or export) holds: manifest, training-state summary, tensors per file,
+    and ``damaged``: ``{file: problem}`` for every file that does not match the manifest (each
+    file is read once to check its SHA-256; damaged files are reported, not read further)."""
     loaded = LoadedCheckpoint(ckpt)
     info = {"path": str(loaded.path), "kind": "export" if loaded.is_export else "checkpoint",
             "step": loaded.step, "manifest": loaded.manifest, "metrics": loaded.metrics}
+    damaged = {} if loaded.is_export else damaged_files(loaded.path)
+    info["damaged"] = damaged
     if loaded.is_export:
         info["state"] = None
         info["export"] = loaded.export_info
     else:
-        try:
-            state = loaded.json_state()
-        except (OSError, ValueError):
-            state = {}
+        state = {}
+        if "state.json" not in damaged and "state.json" in loaded.manifest["files"]:
+            try:
+                state = loaded.json_state()
+            except UserError as exc:
+                damaged["state.json"] = str(exc)
         scheduler = state.get("scheduler") if isinstance(state.get("scheduler"), dict) else {}
-        info["state"] = {"step": state.get("step"), "epoch": state.get("epoch"),
-                         "data_offset": (state.get("data") or {}).get("offset"),
-                         "lr": (scheduler.get("_last_lr") or [None])[0], "keys": sorted(state)}
-    config = yaml.safe_load(loaded.config_yaml()) or {}
-    model = config.get("model") if isinstance(config.get("model"), dict) else {}
+        data = state.get("data") if isinstance(state.get("data"), dict) else {}
+        last_lr = scheduler.get("_last_lr") if isinstance(scheduler.get("_last_lr"), list) else [None]
+        info["state"] = {"step": state.get("step"), "epoch": state.get("epoch"), "data_offset": data.get("offset"),
+                         "lr": (last_lr or [None])[0], "keys": sorted(state)}
+    config = {}
+    if "config.yaml" not in damaged and (loaded.is_export or "config.yaml" in loaded.manifest["files"]):
+        try:
+            config = yaml.safe_load(loaded.config_yaml()) or {}
+        except UserError as exc:
+            damaged["config.yaml"] = str(exc)
+        except yaml.YAMLError:
+            config = {}
+    model = config.get("model") if isinstance(config, dict) and isinstance(config.get("model"), dict) else {}
     info["model_config"] = {k: model.get(k) for k in ("preset", "depth", "hidden_size", "num_heads", "patch_size")
                             if k in model}
     info["tensors"] = {}
     for name in sorted(loaded.manifest["files"]):
-        if name.endswith(".safetensors"):
+        if name.endswith(".safetensors") and "/" not in name:
+            stem = name[: -len(".safetensors")]
+            if name in damaged:
+                info["tensors"][stem] = {"error": f"damaged: {damaged[name]}"}
+                continue
             try:
-                info["tensors"][name[: -len(".safetensors")]] = _tensor_summary(loaded.path / name)
-            except Exception as exc:   # a damaged header: report, don't crash the listing
-                info["tensors"][name[: -len(".safetensors")]] = {"error": str(exc)}
+                info["tensors"][stem] = _tensor_summary(loaded, stem)
+            except UserError as exc:   # a malformed header: report, don't stop the listing
+                info["tensors"][stem] = {"error": str(exc)}
     info["total_params"] = info["tensors"].get("model", {}).get("params")
     return info
 
@@ -192,9 +212,15 @@ def format_inspect(info: dict, max_tensors: int = 12) -> str:
     manifest = info["manifest"]
     if manifest.get("saved_at"):
         lines.append(f"saved: {manifest['saved_at']} in {manifest.get('save_seconds', '?')} s")
+    damaged = info.get("damaged") or {}
+    if damaged:
+        lines.append(f"DAMAGED: {len(damaged)} file(s) do not match the manifest; use an earlier checkpoint")
     lines.append("files:")
     for name, meta in manifest["files"].items():
-        lines.append(f"  {name:<20} {_human(meta.get('bytes')):>10}")
+        status = f"  DAMAGED: {damaged[name]}" if name in damaged else ""
+        lines.append(f"  {name:<20} {_human(meta.get('bytes')):>10}{status}")
+    for name in damaged.keys() - manifest["files"].keys():
+        lines.append(f"  {name:<20} {'':>10}  DAMAGED: {damaged[name]}")
     for stem, summary in info["tensors"].items():
         if "error" in summary:
             lines.append(f"{stem}: unreadable ({summary['error']})")
@@ -231,12 +257,7 @@ def export(ckpt: str | Path, out_dir: str | Path, use_ema: bool = False, dtype: 
     weights = "ema" if use_ema and loaded.has("ema") else "model"
     if use_ema and weights == "model":
         warn(f"{loaded.path} has no EMA weights; exporting the model weights")
-    if not loaded.is_export:
-        problem = verify_checkpoint(loaded.path, [f for f in ("model.safetensors", f"{weights}.safetensors",
-                                                              "config.yaml") if f in loaded.manifest["files"]])
-        if problem:
-            raise UserError(f"checkpoint {loaded.path} is damaged: {problem}; export an earlier checkpoint")
-    tensors = loaded.tensors("model")
+    tensors = loaded.tensors("model")   # every read checks the file against the manifest
     if weights == "ema":
         tensors.update(loaded.tensors("ema"))   # EMA covers the parameters; buffers come from the model
     target = EXPORT_DTYPES[dtype]

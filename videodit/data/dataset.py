@@ -8,6 +8,11 @@ sample (``failed``) so the trainer can count it, even from DataLoader workers.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import math
+import sys
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -15,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate, get_worker_info
 
 from videodit.data.metadata import Metadata
 from videodit.data.video import VideoReadError, read_video
@@ -23,6 +28,10 @@ from videodit.errors import UserError
 
 if TYPE_CHECKING:
     from videodit.data.buckets.plan import BucketPlan
+
+
+# Frames up to this many pixels decode fastest on one thread.
+_SMALL_FRAME = 256 * 256
 
 
 def sample_frame_indices(total: int, num_frames: int, interval: int, rng: np.random.Generator) -> np.ndarray:
@@ -33,11 +42,16 @@ def sample_frame_indices(total: int, num_frames: int, interval: int, rng: np.ran
     return np.minimum(start + np.arange(num_frames) * interval, total - 1)
 
 
+def _cover_size(h: int, w: int, height: int, width: int) -> tuple[int, int, float]:
+    """Size that covers ``height x width`` keeping the aspect ratio, and the scale factor."""
+    scale = max(height / h, width / w)
+    return max(height, round(h * scale)), max(width, round(w * scale)), scale
+
+
 def resize_center_crop(video: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """[T, C, h, w] float -> [T, C, height, width]: scale to cover, keep aspect, crop the centre."""
     h, w = video.shape[-2:]
-    scale = max(height / h, width / w)
-    new_h, new_w = max(height, round(h * scale)), max(width, round(w * scale))
+    new_h, new_w, scale = _cover_size(h, w, height, width)
     if (new_h, new_w) != (h, w):
         video = F.interpolate(video, size=(new_h, new_w), mode="bilinear", align_corners=False,
                               antialias=scale < 1)
@@ -45,7 +59,104 @@ def resize_center_crop(video: torch.Tensor, height: int, width: int) -> torch.Te
     return video[..., top : top + height, left : left + width]
 
 
+def clip_tensor(frames: np.ndarray, height: int, width: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 [T, h, w, 3] -> float [3, T, height, width] in [-1, 1]: resize_center_crop, then
+    ``x / 127.5 - 1``; written into ``out`` when given.
+
+    Without a resize (crop only) NumPy does the work: bit-identical values (the map is per
+    uint8 value), with no OpenMP threads to wait on and no intermediate float tensors.
+    """
+    h, w = frames.shape[1:3]
+    if out is None:
+        out = torch.from_numpy(np.empty((3, frames.shape[0], height, width), dtype=np.float32))
+    if _cover_size(h, w, height, width)[:2] == (h, w):
+        top, left = (h - height) // 2, (w - width) // 2
+        planar = np.ascontiguousarray(frames[:, top : top + height, left : left + width].transpose(3, 0, 1, 2))
+        target = out.numpy()
+        np.divide(planar, np.float32(127.5), out=target, dtype=np.float32)
+        np.subtract(target, np.float32(1.0), out=target)
+        return out
+    video = torch.from_numpy(frames).permute(0, 3, 1, 2).float()
+    video = resize_center_crop(video, height, width)
+    return out.copy_((video / 127.5 - 1.0).clamp(-1, 1).permute(1, 0, 2, 3))
+
+
+def _in_worker() -> bool:
+    return get_worker_info() is not None
+
+
+@contextlib.contextmanager
+def _one_torch_thread():
+    """Run torch ops on the calling thread only, as DataLoader workers do.
+
+    Per-clip ops are small: on cores kept busy by FFmpeg's threads or other processes,
+    OpenMP's spin-waiting made them 4-5x slower with two threads than with one.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _refs(array: np.ndarray) -> int:
+    return sys.getrefcount(array)
+
+
+class _BufferPool:
+    """Reuses the memory of batches this process has finished with.
+
+    Writing a fresh 50 MB batch page-faults it in, which on a VM costs about as much as
+    decoding the clips in it. Every tensor, view or storage still using a buffer holds a
+    reference to its NumPy array, so the reference count says when it is free again.
+    At most ``keep`` buffers of up to ``max_bytes`` each are kept.
+    """
+
+    def __init__(self, keep: int = 2, max_bytes: int = 256 * 2**20):
+        self.keep, self.max_bytes = keep, max_bytes
+        self.buffers: list[np.ndarray] = []   # flat float32, most recently allocated first
+        self.lock = threading.Lock()
+        probe = [np.empty(0)]
+        self.free_refs = _refs(probe[0])     # measured the way take() counts them
+
+    def take(self, dims: tuple[int, ...]) -> torch.Tensor:
+        size = math.prod(dims)
+        with self.lock:   # hand a buffer out before another thread can see it free
+            for i in range(len(self.buffers)):
+                if self.buffers[i].size >= size and _refs(self.buffers[i]) == self.free_refs:
+                    return torch.from_numpy(self.buffers[i][:size].reshape(dims))
+            buffer = np.empty(size, dtype=np.float32)
+            if buffer.nbytes <= self.max_bytes:
+                self.buffers = [buffer, *self.buffers][: self.keep]
+            return torch.from_numpy(buffer.reshape(dims))
+
+
+_BUFFERS = _BufferPool()
+
+
+def _batch_tensor(size: int, shape) -> torch.Tensor:
+    """Uninitialised float [size, 3, T, H, W] that a batch's samples are written into.
+
+    In a DataLoader worker it lives in shared memory (as default_collate allocates it), so
+    sending it to the main process copies nothing. Elsewhere it comes from _BUFFERS.
+    """
+    dims = (size, 3, shape.num_frames, shape.height, shape.width)
+    if not _in_worker():
+        return _BUFFERS.take(dims)
+    elem = torch.empty(0)
+    storage = elem._typed_storage()._new_shared(math.prod(dims), device=elem.device)
+    return elem.new(storage).resize_(*dims)
+
+
 class VideoDataset(Dataset):
+    """Samples by ``(index, epoch, bucket)`` key: ``{"video": float [3, T, H, W] in [-1, 1],
+    "text", "fps", "failed": [(path, reason), ...]}``.
+
+    A DataLoader fetches a batch through ``__getitems__``: the batch's videos are views into
+    one ``[B, 3, T, H, W]`` tensor, which ``collate`` hands over without copying.
+    """
+
     def __init__(self, meta: Metadata, plan: "BucketPlan", frame_interval: int = 1, seed: int = 0,
                  max_replacements: int = 8):
         self.meta = meta
@@ -58,11 +169,23 @@ class VideoDataset(Dataset):
         return len(self.meta)
 
     def __getitem__(self, key: tuple[int, int, int]) -> dict:
+        with _one_torch_thread():
+            return self._sample(key, None)
+
+    def __getitems__(self, keys: list[tuple[int, int, int]]) -> list[dict]:
+        buckets = {bucket for _, _, bucket in keys}
+        with _one_torch_thread():
+            if len(buckets) != 1:
+                return [self._sample(key, None) for key in keys]
+            videos = _batch_tensor(len(keys), self.plan.buckets[buckets.pop()])
+            return [self._sample(key, video) for key, video in zip(keys, videos)]
+
+    def _sample(self, key: tuple[int, int, int], out: torch.Tensor | None) -> dict:
         index, epoch, bucket = key
         failed = []
         for attempt in range(self.max_replacements + 1):
             try:
-                sample = self.load(index, epoch, bucket)
+                sample = self.load(index, epoch, bucket, out)
                 sample["failed"] = failed
                 return sample
             except VideoReadError as exc:
@@ -71,22 +194,31 @@ class VideoDataset(Dataset):
         # Every try failed: a black clip keeps the batch shape; the trainer's bad-file
         # guard stops the run long before such samples matter.
         shape = self.plan.buckets[bucket]
-        return {"video": torch.full((3, shape.num_frames, shape.height, shape.width), -1.0),
-                "text": "", "fps": 1.0, "failed": failed}
+        black = torch.full((3, shape.num_frames, shape.height, shape.width), -1.0)
+        return {"video": black if out is None else out.copy_(black), "text": "", "fps": 1.0, "failed": failed}
 
-    def load(self, index: int, epoch: int, bucket: int) -> dict:
+    def load(self, index: int, epoch: int, bucket: int, out: torch.Tensor | None = None) -> dict:
         shape = self.plan.buckets[bucket]
-        rng = np.random.default_rng([self.seed, epoch, index])
-        frames, fps = read_video(self.meta.paths[index])
-        picked = frames[sample_frame_indices(len(frames), shape.num_frames, self.frame_interval, rng)]
-        video = torch.from_numpy(np.ascontiguousarray(picked)).permute(0, 3, 1, 2).float()
-        video = resize_center_crop(video, shape.height, shape.width)
-        video = (video / 127.5 - 1.0).clamp(-1, 1).permute(1, 0, 2, 3)   # [C, T, H, W] in [-1, 1]
+        # Only the sampled frames are decoded; the reader asks for them once it knows the
+        # frame count, so the draw is the one a full decode would have made.
+        pick = functools.partial(self._frame_indices, index, epoch, shape.num_frames)
+        frames, _ = read_video(self.meta.paths[index], indices=pick, threaded=self._threaded(index))
         return {
-            "video": video.contiguous(),
+            "video": clip_tensor(frames, shape.height, shape.width, out),
             "text": self.meta.texts[index],
             "fps": self.meta.fps[index] / (self.frame_interval if shape.num_frames > 1 else 1),
         }
+
+    def _threaded(self, index: int) -> bool:
+        # Workers already keep the cores busy, and for small frames starting FFmpeg's
+        # frame threads costs more than they save (1.4x slower at 128x128 on 2 cores).
+        return not _in_worker() and self.meta.heights[index] * self.meta.widths[index] > _SMALL_FRAME
+
+    def _frame_indices(self, index: int, epoch: int, num_frames: int, total: int) -> np.ndarray:
+        # A fresh generator per call: the reader may call this twice (when it falls back
+        # to a full decode) and must get the same frames.
+        rng = np.random.default_rng([self.seed, epoch, index])
+        return sample_frame_indices(total, num_frames, self.frame_interval, rng)
 
     def _replacement(self, index: int, epoch: int, bucket: int, attempt: int) -> int:
         """Another sample of the same bucket this epoch, chosen deterministically."""
@@ -110,9 +242,21 @@ class Batch:
 
 
 def collate(samples: list[dict]) -> Batch:
-    return Batch(video=torch.stack([s["video"] for s in samples]), text=[s["text"] for s in samples],
+    return Batch(video=_stack([s["video"] for s in samples]), text=[s["text"] for s in samples],
                  fps=torch.tensor([s["fps"] for s in samples], dtype=torch.float32),
                  failed=[f for s in samples for f in s["failed"]])
+
+
+def _stack(videos: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(videos)``; the tensor they are views of when they already are its rows
+    (``VideoDataset.__getitems__``), so a batch is never copied."""
+    base = videos[0]._base
+    if (base is not None and base.shape == (len(videos), *videos[0].shape) and base.is_contiguous()
+            and all(v._base is base and v.data_ptr() == row.data_ptr() for v, row in zip(videos, base))):
+        return base
+    if _in_worker():
+        return default_collate(videos)   # stacks straight into shared memory
+    return torch.from_numpy(np.stack([v.numpy() for v in videos]))
 
 
 class BadFileGuard:

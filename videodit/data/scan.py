@@ -18,7 +18,8 @@
       are decoded (``probe_video``). A container can lie: a cut-off mp4 whose index sits
       at the front still claims its full length. ``verify=True`` decodes every video,
       writes the decoded count and lists the changed files in ``corrected`` (about as
-      slow as reading the whole dataset once).
+      slow as reading the whole dataset once); it also reports a video whose frame size
+      changes mid-stream as unreadable (training would rescale those frames).
     * Captions (``captions=FILE``): a ``.csv`` file with ``path`` and ``text`` columns
       (others ignored), or any other suffix as UTF-8 lines ``path<TAB>caption``. Relative
       caption paths are looked up against the captions file's folder first, then the
@@ -284,14 +285,30 @@ def _probe_one(path: str, verify: bool) -> tuple[dict | None, str | None]:
 
 
 def _decoded_frame_count(path: str) -> int:
-    """Frames that actually decode (what ``read_video`` returns), without colour conversion."""
+    """Frames that actually decode (what ``read_video`` returns), without colour conversion.
+
+    A frame size that changes mid-stream is an error: training would rescale those frames
+    to the first size (distorting them), so the file is reported for re-encoding.
+    """
     try:
         with av.open(str(path)) as container:
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"
-            return sum(1 for _ in container.decode(stream))
+            count, first = 0, None
+            for frame in container.decode(stream):
+                first = first or (frame.width, frame.height)
+                if (frame.width, frame.height) != first:
+                    raise VideoReadError(path, _size_change(first, (frame.width, frame.height), count))
+                count += 1
+            return count
     except (av.FFmpegError, IndexError) as exc:
         raise VideoReadError(path, f"decoding failed: {exc}") from exc
+
+
+def _size_change(first: tuple[int, int], now: tuple[int, int], frame: int) -> str:
+    return (f"the frame size changes mid-stream from {first[0]}x{first[1]} to {now[0]}x{now[1]} "
+            f"(width x height) at frame {frame}; re-encode it at one size, e.g. "
+            f"ffmpeg -i IN -vf scale={first[0]}:{first[1]} OUT")
 
 
 def _probe_chunk(paths: list[str], verify: bool, probe: Callable) -> list:

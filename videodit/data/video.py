@@ -17,9 +17,14 @@ Writing
     place with ``os.replace``, so a crash never leaves a half-written file behind.
 
 Reading
-    ``read_video`` decodes every frame; ``probe_video`` reads container metadata only.
-    Still images read as one-frame clips with ``fps == IMAGE_FPS``. Anything that
-    cannot be read raises ``VideoReadError`` naming the path and the reason.
+    ``read_video`` decodes every frame, or only the frames asked for (``indices``):
+    then H.264, HEVC, AV1, VP9, MPEG-4 and MJPEG streams are decoded from the keyframe
+    before the first wanted frame up to the last one, giving exactly the frames a full
+    decode has at those numbers (other codecs, e.g. GIF, are decoded whole and indexed).
+    ``probe_video`` reads container metadata only. Still images read as one-frame clips
+    with ``fps == IMAGE_FPS``. A stream whose frame size changes mid-file is read at its
+    first (declared) size. Anything that cannot be read raises ``VideoReadError`` naming
+    the path and the reason.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import os
 import tempfile
 from fractions import Fraction
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, Sequence, Union
 
 import av
 import numpy as np
@@ -245,25 +250,57 @@ def _write_image(tmp: Path, rgb: np.ndarray, suffix: str) -> None:
 
 # --------------------------------------------------------------------------- reading
 
+# Codecs whose packets each decode to exactly one shown frame, so a table of packet
+# timestamps numbers frames the way a full decode does. Others (GIF, VP8 with hidden
+# frames, ...) are always decoded whole.
+_TABLE_CODECS = frozenset({"h264", "hevc", "av1", "vp9", "mpeg4", "mjpeg"})
 
-def read_video(path: str | os.PathLike, *, threaded: bool = True) -> tuple[np.ndarray, float]:
-    """Decode every frame of a video (or a still image) at ``path``.
+Indices = Union[Sequence[int], np.ndarray, Callable[[int], Sequence[int]]]
+
+
+class _Mismatch(Exception):
+    """The packet table or a seek disagreed with the decoder: decode the file whole."""
+
+
+def read_video(path: str | os.PathLike, *, indices: Indices | None = None,
+               threaded: bool = True) -> tuple[np.ndarray, float]:
+    """Decode a video (or a still image) at ``path``; all frames or only ``indices``.
 
     Returns ``(frames, fps)`` with ``frames`` uint8 ``[T, H, W, 3]`` RGB. Still images
-    give ``T == 1`` and ``fps == IMAGE_FPS``. ``threaded`` lets FFmpeg decode with
-    several threads. Raises ``VideoReadError`` if the file is missing, empty, or not a
-    decodable video/image.
+    give ``T == 1`` and ``fps == IMAGE_FPS``. ``indices`` picks frames by their number
+    in a full decode (any order, repeats allowed): a sequence, or a callable given the
+    frame count that returns them (it may be called twice, so it must not draw fresh
+    random numbers per call). The result is exactly ``full_decode[indices]``, but for
+    H.264, HEVC, AV1, VP9, MPEG-4 and MJPEG streams only the frames from the keyframe
+    before the first wanted frame to the last wanted one are decoded (``_read_window``).
+
+    Every frame has the stream's declared size (the first frame's): frames of a stream
+    whose size changes mid-file are rescaled to it, so a clip always stacks into one
+    array (``data scan --verify`` reports such files). ``threaded`` lets FFmpeg decode
+    with several threads. Raises ``VideoReadError`` if the file is missing, empty, not a
+    decodable video/image, or shorter than an index asks for.
     """
     _check_readable(path)
     if is_image_path(path):
-        return _read_image(path)[None], IMAGE_FPS
+        return _select(path, _read_image(path)[None], indices), IMAGE_FPS
+    if indices is not None:
+        window = _read_window(path, indices, threaded)
+        if window is not None:
+            return window
+    frames, fps = _read_all(path, threaded)
+    return _select(path, frames, indices), fps
+
+
+def _read_all(path: str | os.PathLike, threaded: bool) -> tuple[np.ndarray, float]:
+    """Decode every frame, in order, at the stream's declared size."""
     frames = []
     with _open_video(path) as (container, stream):
         if threaded:
             stream.thread_type = "AUTO"
+        convert = _FrameConverter(stream)
         try:
             for frame in container.decode(stream):
-                frames.append(frame.to_ndarray(format="rgb24", threads=_sws_threads(frame)))
+                frames.append(convert(frame))
         except av.FFmpegError as exc:
             reason = f"decoding failed after {len(frames)} frames: {exc}"
             raise VideoReadError(path, reason) from exc
@@ -271,6 +308,170 @@ def read_video(path: str | os.PathLike, *, threaded: bool = True) -> tuple[np.nd
     if not frames:
         raise VideoReadError(path, "the video stream has no decodable frames")
     return np.stack(frames), fps
+
+
+def _select(path, frames: np.ndarray, indices: Indices | None) -> np.ndarray:
+    if indices is None:
+        return frames
+    return frames[_resolve_indices(path, indices, len(frames))]
+
+
+def _resolve_indices(path, indices: Indices, total: int) -> np.ndarray:
+    """``indices`` (or ``indices(total)``) as int64, checked against ``total`` frames."""
+    wanted = np.asarray(indices(total) if callable(indices) else indices, dtype=np.int64).reshape(-1)
+    bad = wanted[(wanted < 0) | (wanted >= total)]
+    if bad.size:
+        raise VideoReadError(path, f"frame {int(bad[0])} was asked for but the video has {total} frames")
+    return wanted
+
+
+class _FrameConverter:
+    """Decoded frame -> uint8 ``[H, W, 3]`` RGB at the stream's declared size.
+
+    One reformatter per clip reuses its swscale context instead of building one per
+    frame; the pixels are the same as ``frame.to_ndarray(format="rgb24")``.
+    """
+
+    def __init__(self, stream):
+        self.size = (stream.codec_context.width, stream.codec_context.height)
+        self.reformatter = av.video.reformatter.VideoReformatter()
+
+    def __call__(self, frame: av.VideoFrame) -> np.ndarray:
+        if not all(self.size):   # no declared size: the first frame sets it
+            self.size = (frame.width, frame.height)
+        width, height = self.size
+        rgb = self.reformatter.reformat(frame, width=width, height=height, format="rgb24",
+                                        threads=_sws_threads(frame))
+        return rgb.to_ndarray()
+
+
+# ----------------------------------------------------------------- decoding a window
+
+
+class _PacketTable:
+    """Timestamps of a stream's packets, read by demuxing only (no decoding).
+
+    ``pts``/``keyframe``/``shown`` are in decode order; ``shown`` is False for packets
+    the demuxer marks as discarded (decoded for reference, never output). Frame ``i`` of
+    a full decode is the shown packet with the ``i``-th smallest pts.
+    """
+
+    def __init__(self, pts: np.ndarray, keyframe: np.ndarray, shown: np.ndarray):
+        self.pts, self.keyframe, self.shown = pts, keyframe, shown
+        self.frame_pts = np.sort(pts[shown])
+        self.num_frames = len(self.frame_pts)
+
+    def start(self, first: int) -> tuple[int, int]:
+        """``(packet, frame)``: the packet to start decoding at for frame number ``first``,
+        and the number of the first frame that decoding from it outputs.
+
+        The packet is the last keyframe at or before ``first`` that no later packet
+        displays before (no leading pictures that reference earlier packets), else the
+        first packet, which is exactly a full decode.
+        """
+        later_min = np.minimum.accumulate(self.pts[::-1])[::-1]
+        clean = self.keyframe & self.shown & (later_min == self.pts) & (self.pts <= self.frame_pts[first])
+        candidates = np.flatnonzero(clean)
+        packet = int(candidates[-1]) if len(candidates) else 0
+        if packet == 0:
+            return 0, 0
+        return packet, int(np.searchsorted(self.frame_pts, self.pts[packet]))
+
+
+def _packet_table(path, container, stream) -> _PacketTable | None:
+    """The stream's packet table, or None when timestamps cannot number its frames."""
+    pts, keyframe, shown = [], [], []
+    try:
+        for packet in container.demux(stream):
+            if packet.size == 0:   # the end-of-stream flush packet
+                continue
+            if packet.pts is None or packet.is_corrupt:
+                return None
+            pts.append(packet.pts)
+            keyframe.append(packet.is_keyframe)
+            shown.append(not packet.is_discard)
+    except av.FFmpegError as exc:
+        raise VideoReadError(path, f"reading packets failed after {len(pts)}: {exc}") from exc
+    pts_array = np.asarray(pts, dtype=np.int64)
+    # Fewer packets than the container's index lists: a cut file, whose frame count only
+    # a full decode tells. Equal timestamps would make frame numbers ambiguous.
+    if (stream.frames and stream.frames != len(pts)) or len(np.unique(pts_array)) != len(pts_array):
+        return None
+    return _PacketTable(pts_array, np.asarray(keyframe, dtype=bool), np.asarray(shown, dtype=bool))
+
+
+def _read_window(path, indices: Indices, threaded: bool) -> tuple[np.ndarray, float] | None:
+    """``full_decode[indices]`` decoding only from the keyframe before the first wanted frame
+    to the last one; None when the stream cannot be read this way (decode it whole).
+
+    The packet table gives the frame count and each frame's timestamp. Decoding starts
+    at a clean keyframe (found by seeking, then skipping packets up to it) and every
+    output frame must carry the timestamp of the next frame number; any disagreement
+    (a dropped frame, a seek that lands past the keyframe) falls back to a full decode.
+    """
+    with _open_video(path) as (container, stream):
+        if stream.codec_context.name not in _TABLE_CODECS:
+            return None
+        table = _packet_table(path, container, stream)
+        if table is None:
+            return None
+        if table.num_frames == 0:
+            raise VideoReadError(path, "the video stream has no decodable frames")
+        wanted = _resolve_indices(path, indices, table.num_frames)
+        if threaded:
+            stream.thread_type = "AUTO"
+        try:
+            frames = _decode_frames(path, container, stream, table, wanted)
+        except _Mismatch:
+            return None
+        return frames, _stream_fps(container, stream)
+
+
+def _decode_frames(path, container, stream, table: _PacketTable, wanted: np.ndarray) -> np.ndarray:
+    convert = _FrameConverter(stream)
+    width, height = convert.size
+    out = np.empty((len(wanted), height, width, 3), dtype=np.uint8)
+    if not len(wanted):
+        return out
+    slots: dict[int, list[int]] = {}
+    for position, number in enumerate(wanted.tolist()):
+        slots.setdefault(number, []).append(position)
+    last = max(slots)
+    start_packet, expected = table.start(min(slots))
+    frame_number = {pts: i for i, pts in enumerate(table.frame_pts.tolist())}
+    decoded = 0
+    try:
+        for frame in _decode_from(container, stream, table, start_packet):
+            if frame_number.get(frame.pts) != expected:
+                raise _Mismatch
+            if expected in slots:
+                out[slots[expected]] = convert(frame)
+                if expected == last:
+                    return out   # stop: nothing later is needed
+            expected += 1
+            decoded += 1
+    except av.FFmpegError as exc:
+        raise VideoReadError(path, f"decoding failed after {decoded} frames of the window: {exc}") from exc
+    raise _Mismatch   # the stream ended before the last wanted frame
+
+
+def _decode_from(container, stream, table: _PacketTable, start_packet: int) -> Iterator[av.VideoFrame]:
+    """Frames decoded from the packet at decode position ``start_packet`` onwards."""
+    position = {pts: i for i, pts in enumerate(table.pts.tolist())}
+    try:
+        container.seek(int(table.pts[start_packet]), stream=stream, backward=True, any_frame=False)
+    except av.FFmpegError as exc:
+        raise _Mismatch from exc
+    started = False
+    for packet in container.demux(stream):
+        if not started:
+            here = position.get(packet.pts) if packet.size else None
+            if here is None or here > start_packet:
+                raise _Mismatch   # the seek landed past the keyframe, or somewhere unknown
+            if here < start_packet:
+                continue          # before the keyframe: not needed
+            started = True
+        yield from packet.decode()
 
 
 def probe_video(path: str | os.PathLike) -> dict:

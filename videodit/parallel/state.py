@@ -6,23 +6,47 @@ sampling and export read) and, without sharding, ``optimizer.pt`` holds the opti
 state keyed by parameter name. Sharded runs (FSDP/HSDP) also write ``dcp/``: model, EMA
 and optimizer as DCP shards, which DCP re-shards on load, so a run saved on 4 ranks
 resumes on 2 or on 1. Loading works the same from any layout into any layout.
+
+Reading shards never runs code from the checkpoint, whoever wrote it: DCP's own reader
+unpickles ``dcp/.metadata`` with plain ``pickle`` and the non-tensor entries (learning rate,
+betas, ...) with ``torch.load(weights_only=False)``. :func:`load_shards` instead reads the
+metadata with an unpickler that builds only DCP's metadata classes (:data:`METADATA_CLASSES`),
+checks where it points (files of the checkpoint's manifest, inside ``dcp/``), hands DCP that
+object, loads the non-tensor entries weights-only, and checks every shard file against its
+size and SHA-256 in ``manifest.json`` before DCP reads it (tensors are loaded by DCP itself
+with ``weights_only=True``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
+import os
+import pickle
+import re
+import stat
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from videodit.errors import UserError
+
 SHARDS_DIR = "dcp"
+METADATA_FILE = ".metadata"
 
 
 def full_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -103,11 +127,276 @@ def save_shards(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer
 
 
 def load_shards(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ema: dict | None) -> None:
-    """Read ``folder/dcp`` into this run's layout, whatever layout wrote it."""
+    """Read ``folder/dcp`` into this run's layout, whatever layout wrote it. Every rank checks
+    the shard files it reads against ``folder/manifest.json`` (size, SHA-256) and refuses a
+    metadata file holding anything but DCP's metadata classes; problems are one UserError."""
+    folder = Path(folder)
+    files = shard_files(folder)
+    metadata = read_shard_metadata(folder, files)
     state = sharded_state(model, optimizer, ema)
-    with warnings.catch_warnings():   # one process reading shards is intended, not a mistake
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(Path(folder) / SHARDS_DIR), no_dist=not dist.is_initialized())
+    reader = _CheckedReader(folder, files, metadata)
+    try:
+        with warnings.catch_warnings():   # one process reading shards is intended, not a mistake
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader, planner=_WeightsOnlyPlanner(folder),
+                     no_dist=not dist.is_initialized())
+    except CheckpointException as exc:   # DCP wraps what each rank raised
+        errors = [error for error, _ in exc.failures.values()]
+        for error in errors:
+            if isinstance(error, UserError):
+                raise UserError(str(error)) from exc
+        raise _unreadable(folder, errors[0] if errors else exc) from exc
+    except UserError:
+        raise
+    except (RuntimeError, ValueError, KeyError, AssertionError, OSError, EOFError, pickle.UnpicklingError) as exc:
+        raise _unreadable(folder, exc) from exc
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     # The EMA tensors were loaded in place.
+
+
+def _unreadable(folder: Path, exc: BaseException) -> UserError:
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return UserError(f"checkpoint {folder}: its DCP shards do not fit this model or cannot be read ({text[:200]}); "
+                     "resume with the model settings of that run, or from a checkpoint written by videodit")
+
+
+# ---------------------------------------------------------------------------- checked shards
+
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_MANIFEST_MAX = 64 << 20
+_CHUNK = 16 << 20
+
+# What a DCP metadata file holds, found by unpickling real ones (dcp.save on one process and
+# FSDP2 on 2 ranks, torch 2.13) with a find_class that logs every global: DCP's metadata
+# dataclasses, torch.Size, the dtype/layout/memory-format lookups, the checkpoint id (a
+# path). Builtin containers come as pickle opcodes; the few names below cover older protocols.
+METADATA_CLASSES = frozenset({
+    ("torch.distributed.checkpoint.metadata", "Metadata"),
+    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+    ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+    ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "list"), ("builtins", "dict"),
+    ("builtins", "tuple"), ("collections", "OrderedDict"),
+})
+_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)   # torch.float32, torch.strided, ...
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only :data:`METADATA_CLASSES` and torch's dtype/layout/memory-format constants."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in METADATA_CLASSES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS):
+            return getattr(torch, name)
+        raise _Refused(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        raise _Refused("a persistent id")
+
+
+class _Refused(pickle.UnpicklingError):
+    pass
+
+
+def shard_files(folder: Path) -> dict[str, dict]:
+    """The ``dcp/`` entries of ``folder/manifest.json``, by name inside ``dcp/``, each with its
+    ``bytes`` and ``sha256``; UserError if the manifest is malformed or lists none."""
+    problem = None
+    try:
+        manifest = json.loads(_read_small(folder / "manifest.json"))
+    except (OSError, ValueError, RecursionError) as exc:
+        manifest, problem = None, f"manifest.json cannot be read ({' '.join(str(exc).split())[:120]})"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if problem is None and not isinstance(files, dict):
+        problem = "manifest.json has no 'files' mapping"
+    shards = {}
+    for name, info in (files or {}).items() if problem is None else ():
+        if not name.startswith(SHARDS_DIR + "/"):
+            continue
+        inner = name[len(SHARDS_DIR) + 1:]
+        size = info.get("bytes") if isinstance(info, dict) else None
+        sha = info.get("sha256") if isinstance(info, dict) else None
+        if (not inner or "/" in inner or "\\" in inner or inner in (".", "..")
+                or not isinstance(size, int) or isinstance(size, bool) or size < 0
+                or not isinstance(sha, str) or not _SHA256_RE.match(sha)):
+            problem = f"manifest.json has a malformed entry {name[:80]!r}"
+            break
+        shards[inner] = {"bytes": size, "sha256": sha}
+    if problem is None and METADATA_FILE not in shards:
+        problem = f"{SHARDS_DIR}/{METADATA_FILE} is not in its manifest"
+    if problem is not None:
+        raise UserError(f"checkpoint {folder} is damaged: {problem}; resume from an earlier checkpoint")
+    return shards
+
+
+def read_shard_metadata(folder: Path, files: dict[str, dict]):
+    """``dcp/.metadata``, checked against the manifest, unpickled with :class:`_MetadataUnpickler`
+    and checked: every storage entry points into a shard file the manifest lists."""
+    name = f"{SHARDS_DIR}/{METADATA_FILE}"
+    with _open_checked(folder, METADATA_FILE, files) as handle:
+        data = handle.read()
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except _Refused as exc:
+        raise UserError(f"checkpoint {folder}: {name} holds objects other than checkpoint metadata ({exc}), "
+                        "which videodit refuses to unpickle; use a checkpoint written by videodit") from None
+    except Exception as exc:
+        raise UserError(f"checkpoint {folder}: {name} cannot be read ({type(exc).__name__}: "
+                        f"{' '.join(str(exc).split())[:120]}); use a checkpoint written by videodit") from None
+    problem = _metadata_problem(metadata, files)
+    if problem is not None:
+        raise UserError(f"checkpoint {folder}: {name} {problem}; use a checkpoint written by videodit")
+    return metadata
+
+
+def _metadata_problem(metadata, files: dict[str, dict]) -> str | None:
+    if type(metadata) is not dcp_metadata.Metadata:
+        return f"holds a {type(metadata).__name__}, not DCP metadata"
+    entries = getattr(metadata, "state_dict_metadata", None)
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        return "lacks its tensor or storage tables"
+    kinds = (dcp_metadata.TensorStorageMetadata, dcp_metadata.BytesStorageMetadata)
+    if not all(isinstance(key, str) and isinstance(value, kinds) for key, value in entries.items()):
+        return "has entries that are not tensors or bytes"
+    storage_info = FileSystemReader.__module__ + "._StorageInfo"
+    for index, where in storage.items():
+        if not isinstance(index, dcp_metadata.MetadataIndex) or \
+                f"{type(where).__module__}.{type(where).__qualname__}" != storage_info:
+            return "has a storage entry of the wrong kind"
+        path, offset, length = getattr(where, "relative_path", None), getattr(where, "offset", None), \
+            getattr(where, "length", None)
+        if not isinstance(path, str) or path == METADATA_FILE or path not in files:
+            return f"points at {str(path)[:80]!r}, which is not a shard file in the manifest"
+        if not (_count(offset) and _count(length) and offset + length <= files[path]["bytes"]):
+            return f"points past the end of {path}"
+        if getattr(where, "transform_descriptors", None):
+            return "asks for stream transforms videodit does not write"
+    return None
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _read_small(file: Path) -> bytes:
+    fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{file.name} is not a regular file")
+        data = handle.read(_MANIFEST_MAX + 1)
+    if len(data) > _MANIFEST_MAX:
+        raise ValueError(f"{file.name} is larger than {_MANIFEST_MAX >> 20} MiB")
+    return data
+
+
+@contextmanager
+def _open_checked(folder: Path, inner: str, files: dict[str, dict]):
+    """``folder/dcp/inner`` opened for reading once it has been checked against its manifest
+    entry: a regular file (never a device or FIFO), its size, its SHA-256 (hashed through the
+    same descriptor, then rewound, so DCP reads what was checked)."""
+    name = f"{SHARDS_DIR}/{inner}"
+    info = files.get(inner)
+    if info is None:
+        raise UserError(f"checkpoint {folder}: DCP asked for {name}, which is not in its manifest; use a "
+                        "checkpoint written by videodit")
+
+    def damaged(problem: str) -> UserError:
+        return UserError(f"checkpoint {folder} is damaged: {name} {problem}; resume from an earlier checkpoint")
+
+    try:
+        fd = os.open(folder / name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise damaged(f"cannot be read ({exc.strerror or exc})") from None
+    handle = os.fdopen(fd, "rb", buffering=0)
+    try:
+        info_stat = os.fstat(fd)
+        if not stat.S_ISREG(info_stat.st_mode):
+            raise damaged("is not a regular file")
+        if info_stat.st_size != info["bytes"]:
+            raise damaged(f"has {info_stat.st_size} bytes, the manifest says {info['bytes']}")
+        digest, buffer = hashlib.sha256(), bytearray(min(_CHUNK, max(info["bytes"], 1)))
+        view, left = memoryview(buffer), info["bytes"]
+        while left > 0:
+            count = handle.readinto(view[:min(left, len(buffer))])
+            if not count:
+                raise damaged(f"ended early, the manifest says {info['bytes']} bytes")
+            digest.update(view[:count])
+            left -= count
+        if handle.read(1):
+            raise damaged(f"is longer than the manifest's {info['bytes']} bytes")
+        if digest.hexdigest() != info["sha256"]:
+            raise damaged("does not match its SHA-256 in the manifest")
+        handle.seek(0)
+        with io.BufferedReader(handle) as buffered:
+            yield buffered
+    finally:
+        handle.close()
+
+
+class _CheckedFileSystem:
+    """DCP's file system, except that reads go through :func:`_open_checked`."""
+
+    def __init__(self, inner, folder: Path, files: dict[str, dict]):
+        self._inner, self._folder, self._files = inner, folder, files
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        if mode != "rb" or Path(path).parent != self._folder / SHARDS_DIR:
+            raise UserError(f"checkpoint {self._folder}: DCP asked to open {path} ({mode}); use a checkpoint "
+                            "written by videodit")
+        with _open_checked(self._folder, Path(path).name, self._files) as handle:
+            yield handle
+
+
+class _CheckedReader(FileSystemReader):
+    """DCP's file reader over checked files, with the metadata :func:`load_shards` already read
+    and checked (DCP's own ``read_metadata`` would unpickle it with plain pickle)."""
+
+    def __init__(self, folder: Path, files: dict[str, dict], metadata):
+        super().__init__(folder / SHARDS_DIR)
+        self.fs = _CheckedFileSystem(self.fs, folder, files)
+        self._metadata = metadata
+
+    def read_metadata(self, *args, **kwargs):
+        if kwargs.get("rank") is not None:   # per-rank metadata: videodit always writes the global one
+            raise FileNotFoundError("videodit reads only the global DCP metadata")
+        if getattr(self._metadata, "storage_meta", None) is None:
+            self._metadata.storage_meta = dcp_metadata.StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+
+class _WeightsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's planner, except that the non-tensor entries (learning rate, betas, ...) are
+    unpickled weights-only: DCP's own ``load_bytes`` uses ``torch.load(weights_only=False)``."""
+
+    def __init__(self, folder: Path):
+        super().__init__()
+        self.folder = folder
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            raise UserError(f"checkpoint {self.folder}: its DCP shards hold {read_item.dest_index.fqn} as objects "
+                            "other than tensors and plain values, which videodit refuses to unpickle; use a "
+                            "checkpoint written by videodit") from None
+        clean = io.BytesIO()   # DCP unpickles what videodit itself just wrote from the vetted value
+        torch.save(obj, clean)
+        clean.seek(0)
+        super().load_bytes(read_item, clean)

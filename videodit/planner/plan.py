@@ -3,8 +3,8 @@ nothing fits, before a single GPU is allocated.
 
 Each (resolution, num_frames) entry of the bucket config is planned at its worst aspect
 ratio (the most tokens), since one batch size serves all its ratios. Batch sizes can also
-be chosen for equal step time: every bucket gets about the same FLOPs per step (the FLOP
-model of ``models.flops``), capped by what fits.
+be chosen for equal step time: every bucket gets about the same hardware FLOPs per step
+(``models.flops``: what the GPU runs, recompute included), capped by what fits.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from videodit.data.buckets.config import resolve_bucket_config
 from videodit.errors import UserError
 from videodit.planner.estimate import (Estimate, Parallel, Precision, Shape, count_model, estimate,
                                       parallel_from_config, precision_from_config)
-from videodit.models.flops import block_costs
+from videodit.models.flops import StepFlops, train_step_flops
 from videodit.models.stdit import DiTGeometry, STDiT
 
 MAX_BATCH = 4096
@@ -72,14 +72,15 @@ class BucketFit:
     batch_size: int                 # the chosen one (max, or equal step time)
     estimate: Estimate              # at batch_size (or at 1 when nothing fits)
     fix: str | None = None          # the cheapest change that makes batch 1 fit
-    flops_per_sample: float = 0.0
+    flops: StepFlops = StepFlops(0.0, 0.0)   # one sample's forward + backward
 
     def as_dict(self) -> dict:
         return {"resolution": self.resolution, "num_frames": self.num_frames, "aspect_ratio": self.ratio,
                 "height": self.height, "width": self.width, "tokens": self.tokens,
                 "config_batch_size": self.config_batch_size, "max_batch_size": self.max_batch_size,
                 "batch_size": self.batch_size, "predicted_peak_bytes": self.estimate.peak,
-                "step_flops": self.batch_size * self.flops_per_sample,
+                "model_flops_per_sample": self.flops.model, "hardware_flops_per_sample": self.flops.hardware,
+                "step_flops": self.batch_size * self.flops.hardware,
                 "bytes": self.estimate.as_dict(), "fix": self.fix}
 
 
@@ -160,12 +161,12 @@ class Planner:
             yield ("parallel.cpu_offload=true with memory.checkpointing=full",
                    {"memory": full, "parallel": {"cpu_offload": True}})
 
-    def flops_per_sample(self, num_frames: int, height: int, width: int) -> float:
+    def flops_per_sample(self, num_frames: int, height: int, width: int) -> StepFlops:
+        """Model and hardware FLOPs of one sample's training step (fused GPU attention, this
+        plan's checkpointing)."""
         shape = self.shape(1, num_frames, height, width)
-        pt, ph, pw = self.geometry.patch_size
-        frames = math.ceil(shape.latent_frames / pt)
-        positions = math.ceil(shape.latent_height / ph) * math.ceil(shape.latent_width / pw)
-        return float(sum(block_costs(self.geometry, frames, positions, self.caption_length)))
+        return train_step_flops(self.geometry, 1, shape.latent_frames, shape.latent_height, shape.latent_width,
+                                self.caption_length, self.memory)
 
 
 def plan_buckets(planner: Planner, buckets: list[tuple[str, int, str, int, int, int | None]],
@@ -192,15 +193,16 @@ def plan_buckets(planner: Planner, buckets: list[tuple[str, int, str, int, int, 
 
 
 def equalise_step_time(planner: Planner, plans: list[BucketFit]) -> None:
-    """Give every bucket about the same FLOPs per step: the most that every bucket reaches
-    within memory (the smallest of max_batch x FLOPs per sample)."""
+    """Give every bucket about the same hardware FLOPs per step (step time follows what the
+    GPU runs, recompute included): the most that every bucket reaches within memory (the
+    smallest of max_batch x FLOPs per sample)."""
     fitting = [p for p in plans if p.max_batch_size]
     if not fitting:
         return
-    target = min(p.max_batch_size * p.flops_per_sample for p in fitting)
+    target = min(p.max_batch_size * p.flops.hardware for p in fitting)
     step = planner.batch_multiple
     for p in fitting:
-        batch = max(step, int(target / p.flops_per_sample) // step * step)
+        batch = max(step, int(target / p.flops.hardware) // step * step)
         p.batch_size = min(batch, p.max_batch_size)
         p.estimate = planner.estimate(p.batch_size, p.num_frames, p.height, p.width)
 

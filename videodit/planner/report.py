@@ -32,9 +32,11 @@ def gib(n: float) -> str:
 
 
 def plan_table(planner: Planner, plans: list[BucketFit]) -> str:
-    """The human table: one row per (resolution, num_frames), sizes in GiB at the chosen batch."""
-    head = (f"{'resolution':<11}{'frames':>7}{'tokens':>8}{'config bs':>10}{'max bs':>8}{'plan bs':>8}"
-            f"{'params':>8}{'grads':>7}{'optim':>7}{'ema':>6}{'activ':>8}{'temp':>7}{'enc':>6}{'peak GiB':>10}  note")
+    """The human table: one row per (resolution, num_frames), sizes in GiB at the chosen batch;
+    TFLOP/sample is the model FLOPs of one sample's forward + backward."""
+    head = (f"{'resolution':<11}{'frames':>7}{'tokens':>8}{'TFLOP/sample':>13}{'config bs':>10}{'max bs':>8}"
+            f"{'plan bs':>8}{'params':>8}{'grads':>7}{'optim':>7}{'ema':>6}{'activ':>8}{'temp':>7}{'enc':>6}"
+            f"{'peak GiB':>10}  note")
     lines = [head, "-" * len(head)]
     for p in plans:
         e = p.estimate
@@ -44,8 +46,9 @@ def plan_table(planner: Planner, plans: list[BucketFit]) -> str:
         elif p.config_batch_size and p.config_batch_size > p.max_batch_size:
             needed = planner.estimate(p.config_batch_size, p.num_frames, p.height, p.width).peak
             note = f"config batch {p.config_batch_size} would need {gib(needed)} GiB"
-        lines.append(f"{p.resolution:<11}{p.num_frames:>7}{p.tokens:>8}{p.config_batch_size or '-':>10}"
-                     f"{p.max_batch_size:>8}{p.batch_size:>8}{gib(e.params):>8}{gib(e.grads):>7}"
+        lines.append(f"{p.resolution:<11}{p.num_frames:>7}{p.tokens:>8}{p.flops.model / 1e12:>13.3g}"
+                     f"{p.config_batch_size or '-':>10}{p.max_batch_size:>8}{p.batch_size:>8}"
+                     f"{gib(e.params):>8}{gib(e.grads):>7}"
                      f"{gib(e.optimizer):>7}{gib(e.ema):>6}{gib(e.activations):>8}{gib(e.temporaries):>7}"
                      f"{gib(e.encoders):>6}{gib(e.peak):>10}  {note}")
     return "\n".join(lines)
