@@ -144,3 +144,26 @@ def test_validation_loss_is_fixed_and_ranks_checkpoints(toy_dir, tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "run" / "checkpoints.jsonl").read_text().splitlines()]
     saves = [line for line in lines if line["event"] == "save"]
     assert [s["step"] for s in saves] == [2, 4] and all("val_loss" in s["metrics"] for s in saves)
+
+
+def test_every_logged_step_reports_tflops_and_mfu_where_a_peak_is_known(toy_dir, tmp_path):
+    from videodit.models.flops import train_step_flops
+    from videodit.train.metrics import peak_tflops
+
+    plain, with_peak = tmp_path / "plain", tmp_path / "peak"
+    assert main(["train", "--out", str(plain), *tiny_overrides(toy_dir)]) == 0
+    assert main(["train", "--out", str(with_peak), *tiny_overrides(toy_dir, **{"train.peak_tflops": 0.5})]) == 0
+    records = [json.loads(line) for line in (plain / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and all(r["tflops"] > 0 and "mfu" not in r for r in records)   # CPU: no peak
+    records = [json.loads(line) for line in (with_peak / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["mfu"] == pytest.approx(r["tflops"] / 0.5, abs=1e-3) for r in records)
+
+    # The rate is the FLOP model's count of the samples seen over the time they took.
+    cfg = load_config("tiny", tiny_overrides(toy_dir))
+    trainer = Trainer(cfg, tmp_path / "count")
+    batch = next(trainer.batches())
+    frames, height, width = batch.video.shape[-3:]
+    expected = train_step_flops(trainer.model.geometry, len(batch), frames, height, width, cfg.text.max_length)
+    assert trainer.model_flops(batch) == expected.model
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0 and peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert peak_tflops("NVIDIA GeForce RTX 4090") == 165.2 and peak_tflops(None) is None

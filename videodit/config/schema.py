@@ -145,6 +145,8 @@ class TrainConfig:
     deterministic: bool = opt(False, "use deterministic algorithms (bitwise-reproducible on CPU)")
     log_every: int = opt(10, "steps between metrics lines", min=1)
     sample_every: int = opt(0, "steps between sample videos (0 = only at the end)", min=0)
+    peak_tflops: float = opt(0.0, "the device's dense bf16 peak in TFLOP/s for MFU (0 = from a table of common "
+                             "GPUs: H100, H200, A100, L40S, RTX 4090; none on CPU)", min=0.0)
     on_nonfinite: str = opt("stop", "a step whose loss or gradient norm is NaN/inf: stop the run (no update, no "
                             "checkpoint of it) or skip the update (counted in metrics as skipped_steps)",
                             choices=("stop", "skip"))

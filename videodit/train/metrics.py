@@ -62,17 +62,37 @@ class MetricsLogger:
 
 
 class Throughput:
-    """Samples per second over the steps since the last reading."""
+    """Samples and model FLOPs per second over the steps since the last reading."""
 
     def __init__(self):
         self._start = time.perf_counter()
         self._samples = 0
+        self._flops = 0.0
 
-    def add(self, samples: int) -> None:
+    def add(self, samples: int, flops: float = 0.0) -> None:
         self._samples += samples
+        self._flops += flops
 
-    def read(self) -> float:
+    def read(self) -> tuple[float, float]:
+        """(samples/s, FLOP/s) since the last reading."""
         now = time.perf_counter()
-        rate = self._samples / max(now - self._start, 1e-9)
-        self._start, self._samples = now, 0
-        return rate
+        elapsed = max(now - self._start, 1e-9)
+        rates = self._samples / elapsed, self._flops / elapsed
+        self._start, self._samples, self._flops = now, 0, 0.0
+        return rates
+
+
+# Dense bf16 tensor-core peaks in TFLOP/s (no sparsity), by a substring of the device name;
+# the first match wins, so the more specific names come first.
+PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0), ("A100", 312.0),
+               ("L40S", 362.0), ("4090", 165.2))
+
+
+def peak_tflops(device_name: str | None, override: float = 0.0) -> float | None:
+    """The peak MFU is measured against: ``train.peak_tflops`` if set, else the table's entry
+    for this GPU, else None (a CPU, or a GPU not in the table: no MFU is reported)."""
+    if override > 0:
+        return override
+    if not device_name:
+        return None
+    return next((peak for name, peak in PEAK_TFLOPS if name.lower() in device_name.lower()), None)

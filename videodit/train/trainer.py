@@ -32,13 +32,14 @@ from videodit.data.dataset import BadFileGuard, Batch
 from videodit.data.loader import build_training_data
 from videodit.diffusion.rectified_flow import RectifiedFlow
 from videodit.errors import UserError, os_error_message
+from videodit.models.flops import train_step_flops
 from videodit.models.stdit import count_parameters
 from videodit.parallel.distributed import init_distributed
 from videodit.parallel.parallelize import parallelize
 from videodit.sample import generate, write_clips
 from videodit.toy.make import ensure_toy_data
 from videodit.train.ema import EMA
-from videodit.train.metrics import MetricsLogger, Throughput
+from videodit.train.metrics import MetricsLogger, Throughput, peak_tflops
 from videodit.train.run_folder import RunFolder
 from videodit.train.runtime import StopSignals, check_config_change, run_info, seed_everything
 from videodit.train.state import TrainState, init_weights_from
@@ -135,11 +136,11 @@ class Trainer:
                     micro_batches = [next(batches) for _ in range(tc.grad_accum)]
                     loss, grad_norm = self.train_step(micro_batches)
                     progress.step += 1
-                    throughput.add(sum(len(b) for b in micro_batches) * self.ctx.dp_size)
+                    throughput.add(sum(len(b) for b in micro_batches), sum(map(self.model_flops, micro_batches)))
                     bar.update(1)
                     if progress.step % tc.log_every == 0 or progress.step == tc.max_steps:
                         last = {"epoch": progress.epoch, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
-                                "grad_norm": grad_norm, "samples_per_s": round(throughput.read(), 2)}
+                                "grad_norm": grad_norm, **self._speed(throughput)}
                         if self.skipped_steps:
                             last["skipped_steps"] = self.skipped_steps
                         metrics.log(progress.step, last)
@@ -253,6 +254,26 @@ class Trainer:
                 yield dataclasses.replace(batch, noise_seed=seed)
             progress.epoch += 1
             progress.offset = 0
+
+    def model_flops(self, batch: Batch) -> float:
+        """Model FLOPs (forward + backward, no recompute) of one micro-batch: the MFU numerator."""
+        frames, height, width = self.vae.latent_size(*batch.video.shape[-3:])
+        return train_step_flops(self.parallel.local_model.geometry, len(batch), frames, height, width,
+                                self.cfg.text.max_length).model
+
+    def _speed(self, throughput: Throughput) -> dict:
+        """samples/s over all ranks, and per device the achieved model TFLOP/s and the MFU
+        (where the device's peak is known). Both rates are this rank's, averaged over ranks:
+        ranks of one sequence/tensor/pipeline group share a batch and its FLOPs."""
+        samples, flops = throughput.read()
+        samples, flops = self.ctx.mean(samples), self.ctx.mean(flops)
+        groups = self.ctx.world_size // self.ctx.dp_size   # ranks that split one batch's work
+        speed = {"samples_per_s": round(samples * self.ctx.dp_size, 2), "tflops": round(flops / groups / 1e12, 4)}
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        peak = peak_tflops(name, self.cfg.train.peak_tflops)
+        if peak:
+            speed["mfu"] = round(speed["tflops"] / peak, 4)
+        return speed
 
     def _base_grid(self, model) -> tuple[int, int, int]:
         """(latent frames, positions per frame, caption tokens) after patching, at the data's
