@@ -1,7 +1,7 @@
 """Decode speed: the training data pipeline against tuned raw PyAV on the same files and frames.
 
     python benchmarks/decode.py [--size 128] [--frames 16] [--long-frames 240]
-                                [--clips-per-combination 4] [--batch-size 16] [--workers 0 2]
+                                [--clips-per-combination 6] [--batch-size 16] [--workers 0 2]
                                 [--repeats 3] [--memory-frames 1500]
 
 Two toy datasets (``make_toy_dataset``, 54 seen combinations x clips-per-combination mp4
@@ -26,19 +26,21 @@ For each dataset, in one run and interleaved (A, B, C, A, B, C, ...; best of ``-
 
 ``ratio`` = pipeline clips/s / reference clips/s. Raw rows run in one process; DataLoader
 workers are extra processes, whose CPU time is counted in ``CPU ms/clip``. The machine may
-be shared: compare rows of one run only. ``--memory-frames``: peak NumPy memory
-(tracemalloc) of one ``read_video`` of a 256x256 clip that long, whole vs a window of
-``--frames`` frames.
+be shared: compare rows of one run only. ``--memory-frames``: peak memory (RSS growth, in a
+fresh process) of one ``read_video`` of a 256x256 clip that long, whole vs a window of
+``--frames`` frames from its middle.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
+import subprocess
+import sys
 import tempfile
 import time
-import tracemalloc
 from pathlib import Path
 
 import av
@@ -48,7 +50,7 @@ import torch
 from videodit.config import load_config
 from videodit.data.dataset import sample_frame_indices
 from videodit.data.loader import build_training_data
-from videodit.data.video import read_video, write_video
+from videodit.data.video import write_video
 from videodit.toy.make import make_toy_dataset, render_clip
 
 SEED = 0
@@ -77,20 +79,22 @@ def raw_decode(samples: list[tuple[str, np.ndarray]], thread_type: str | None = 
     """Hand-written PyAV: seek, decode to the last wanted frame, rgb24 per wanted frame."""
     delivered = 0
     for path, wanted in samples:
-        wanted_set, last = set(wanted.tolist()), int(wanted.max())
+        counts = {int(n): int(c) for n, c in zip(*np.unique(wanted, return_counts=True))}
+        first, last = min(counts), max(counts)
         with av.open(path) as container:
             stream = container.streams.video[0]
             if thread_type:
                 stream.thread_type = thread_type
-            ticks = 1 / (stream.average_rate * stream.time_base)   # pts ticks per frame
-            first = int(wanted.min())
+            ticks = float(1 / (stream.average_rate * stream.time_base))   # pts ticks per frame
             if first:
                 container.seek(round(first * ticks), stream=stream, backward=True)
+            number = None
             for frame in container.decode(stream):
-                number = round(frame.pts / ticks)
-                if number in wanted_set:
+                # Constant frame rate: the first frame's pts numbers it, the rest count on.
+                number = round(frame.pts / ticks) if number is None else number + 1
+                if number in counts:
                     frame.to_ndarray(format="rgb24", threads=1)
-                    delivered += int((wanted == number).sum())
+                    delivered += counts[number]
                 if number >= last:
                     break
     return len(samples), delivered
@@ -145,19 +149,31 @@ def measure(name: str, csv: str, args) -> list[tuple]:
             for key, (seconds, cpu, clips, frames) in best.items()]
 
 
+_PEAK_RSS = """
+import json, sys
+from videodit.data.video import read_video
+def status(key):
+    line = next(l for l in open("/proc/self/status") if l.startswith(key))
+    return int(line.split()[1]) / 1024
+before = status("VmRSS:")
+read_video(sys.argv[1], indices=json.loads(sys.argv[2]))
+print(status("VmHWM:") - before)
+"""
+
+
 def peak_memory(frames: int, window: int) -> tuple[float, float]:
-    """Peak MB (tracemalloc) of read_video on a frames-long 256x256 clip: whole, and a window."""
+    """Peak RSS growth (MB) of read_video on a frames-long 256x256 clip, whole and a window,
+    each in a fresh process (frame buffers live in FFmpeg's memory, which tracemalloc misses)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "long.mp4"
         clip = render_clip("red", "circle", "right", frames, 256, 256, np.random.default_rng(0))
         write_video(path, clip, fps=24)
         del clip
         peaks = []
-        for indices in (None, np.arange(window) + frames // 2):
-            tracemalloc.start()
-            read_video(path, indices=indices)
-            peaks.append(tracemalloc.get_traced_memory()[1] / 2**20)
-            tracemalloc.stop()
+        for indices in (None, list(range(frames // 2, frames // 2 + window))):
+            out = subprocess.run([sys.executable, "-c", _PEAK_RSS, str(path), json.dumps(indices)],
+                                 capture_output=True, text=True, check=True).stdout
+            peaks.append(float(out))
     return peaks[0], peaks[1]
 
 
@@ -174,7 +190,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=128, help="clip height and width (even)")
     parser.add_argument("--frames", type=int, default=16, help="frames per sample (and per short clip)")
     parser.add_argument("--long-frames", type=int, default=240, help="frames per long clip (0: skip)")
-    parser.add_argument("--clips-per-combination", type=int, default=4, help="clips per dataset = 54 x this")
+    parser.add_argument("--clips-per-combination", type=int, default=6, help="clips per dataset = 54 x this")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; the best counts")
@@ -201,8 +217,8 @@ def main() -> None:
           "DataLoader workers (raw rows: one process)")
     if args.memory_frames:
         whole, window = peak_memory(args.memory_frames, args.frames)
-        print(f"\npeak memory of read_video, {args.memory_frames}x256x256 clip: whole {whole:.0f} MB, "
-              f"{args.frames}-frame window {window:.0f} MB")
+        print(f"\npeak memory (RSS growth) of read_video on a {args.memory_frames}x256x256 clip: "
+              f"whole {whole:.0f} MB, {args.frames}-frame window {window:.0f} MB")
 
 
 if __name__ == "__main__":

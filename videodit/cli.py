@@ -53,8 +53,11 @@ def cmd_train(ns) -> int:
             f"data: {len(trainer.meta)} clips, device: {trainer.device}  |  {trainer.ctx.dims.describe()}, "
             f"global batch {cfg.train.batch_size} x {trainer.ctx.dp_size} rank(s) x {cfg.train.grad_accum}",
             flush=True)
+        if trainer.meta.read_report is not None:
+            say(trainer.meta.read_report.describe(), flush=True)
         if trainer.meta.bad_rows:
-            say(f"skipped {len(trainer.meta.bad_rows)} bad CSV row(s), first: line "
+            kind = "CSV " if trainer.meta.unit == "line" else ""
+            say(f"skipped {len(trainer.meta.bad_rows)} bad {kind}row(s), first: {trainer.meta.unit} "
                 f"{trainer.meta.bad_rows[0][0]}: {trainer.meta.bad_rows[0][1]}", flush=True)
         result = trainer.fit()
         say(f"done: step {result['step']}, loss {result.get('loss', float('nan')):.4f}; samples in "
@@ -187,10 +190,22 @@ def cmd_data_filter(ns) -> int:
     bounds = {name: getattr(ns, name) for name in (
         "min_frames", "max_frames", "min_height", "max_height", "min_width", "max_width", "min_resolution",
         "max_resolution", "min_fps", "max_fps", "min_aspect_ratio", "max_aspect_ratio")}
-    summary = filter_metadata(ns.csv, ns.out, images=not ns.no_images, videos=not ns.no_videos, **bounds)
+    summary = filter_metadata(ns.csv, ns.out, images=not ns.no_images, videos=not ns.no_videos, progress=True,
+                              **bounds)
     reasons = ", ".join(f"{k} {v}" for k, v in summary["dropped_by"].items() if v)
     print(f"kept {summary['kept']} of {summary['rows']} rows in {summary['csv']}"
           + (f"; dropped: {reasons}" if reasons else ""))
+    return 0
+
+
+def cmd_data_convert(ns) -> int:
+    from videodit.data.metadata import convert_metadata
+
+    summary = convert_metadata(ns.src, ns.dst)
+    first = summary["first_bad"]
+    print(f"wrote {summary['rows']:,} rows to {summary['out']}" + (
+        f"; left out {summary['bad_rows']:,} bad row(s), first: {summary['unit']} {first[0]}: {first[1]}"
+        if first else ""))
     return 0
 
 
@@ -218,10 +233,11 @@ def cmd_buckets(ns) -> int:
     from videodit.data.bucket_report import bucket_report, format_report
 
     cfg = load_config(ns.config, [*overrides, *ns.overrides])
-    meta = read_metadata(ns.meta, bad_rows=cfg.data.bad_rows)
+    meta = read_metadata(ns.meta, bad_rows=cfg.data.bad_rows, cache=cfg.data.metadata_cache, progress=True)
     plan = BucketPlan(meta, cfg.data, cfg.train.batch_size, cfg.train.seed)
     report = bucket_report(plan, dp_size=ns.dp_size, epoch=ns.epoch)
     report["bad_rows"] = len(meta.bad_rows)
+    report["read"] = dict(vars(meta.read_report))
     print(json.dumps(report) if ns.json else format_report(report))
     return 0
 
@@ -430,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     q.set_defaults(func=cmd_toy_eval)
 
-    p = sub.add_parser("data", help="prepare metadata CSVs: scan videos, filter rows")
+    p = sub.add_parser("data", help="prepare metadata CSVs: scan videos, filter rows, convert to Parquet")
     dsub = p.add_subparsers(dest="data_command", required=True, metavar="ACTION")
     q = dsub.add_parser("scan", help="probe videos and images into an Open-Sora metadata CSV",
                         description="Probe files and folders with PyAV in worker processes; unreadable files "
@@ -452,11 +468,17 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--no-images", action="store_true", help="drop single-frame rows")
     q.add_argument("--no-videos", action="store_true", help="drop multi-frame rows")
     q.set_defaults(func=cmd_data_filter)
+    q = dsub.add_parser("convert", help="write a metadata CSV as Parquet (or back), bad rows left out",
+                        description="Write the good rows of SRC to DST, as Parquet when DST ends in .parquet, "
+                        "else as CSV; num_frames, height and width become integers, aspect_ratio and fps floats.")
+    q.add_argument("src", help="metadata CSV or .parquet")
+    q.add_argument("dst", help="output file (.parquet or .csv)")
+    q.set_defaults(func=cmd_data_convert)
 
     p = sub.add_parser("buckets", help="how a bucket_config splits a dataset into batches",
                        description="Show samples, batches and drops per bucket for one epoch, or convert an "
                        "Open-Sora config's bucket_config (read, never executed) to videodit YAML.")
-    p.add_argument("meta", nargs="?", help="metadata CSV")
+    p.add_argument("meta", nargs="?", help="metadata CSV or .parquet")
     p.add_argument("--config", default="tiny", help="config (YAML or preset) whose data.bucket_config applies")
     p.add_argument("--from-opensora", metavar="FILE.py", help="take bucket_config from an Open-Sora config file")
     p.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks (for steps per epoch)")

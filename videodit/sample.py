@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
 from videodit.data.video import write_video
 from videodit.diffusion.rectified_flow import RectifiedFlow
@@ -66,12 +65,12 @@ class Pipeline:
     def __init__(self, ckpt_path: str | Path, device: str = "auto", use_ema: bool = True):
         from videodit.checkpoint import LoadedCheckpoint
         from videodit.components import build_encoders, build_model
-        from videodit.config import from_dict
+        from videodit.config import from_yaml
         from videodit.models import load_pretrained
         from videodit.parallel.distributed import pick_device
 
         ckpt = LoadedCheckpoint(ckpt_path)
-        self.cfg = from_dict(yaml.safe_load(ckpt.config_yaml()))
+        self.cfg = from_yaml(ckpt.config_yaml(), f"the config of {ckpt.path}")
         self.device = pick_device(device)
         self.vae, self.text = build_encoders(self.cfg, self.device)
         stem = "ema" if use_ema and ckpt.has("ema") else "model"

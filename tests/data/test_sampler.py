@@ -97,3 +97,32 @@ def test_changed_dataset_is_explained_or_restarts_the_epoch():
     assert changed.load_state_dict(state, on_change="restart_epoch") == (3, 0)
     with pytest.raises(UserError, match="seed"):
         make(seed=5).load_state_dict(state)
+
+
+def reference_plan(buckets, batch_sizes, seed, epoch):
+    """The loop over buckets the vectorized plan replaced: its batches, in its order."""
+    rng = np.random.default_rng([seed, epoch])
+    batches = []
+    for bucket in np.unique(buckets[buckets >= 0]):
+        members = np.flatnonzero(buckets == bucket)
+        members = members[rng.permutation(len(members))]
+        size = batch_sizes[bucket]
+        for start in range(0, len(members) - size + 1, size):
+            batches.append((int(bucket), members[start : start + size]))
+    order = rng.permutation(len(batches))
+    return [batches[i] for i in order]
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_plan_is_the_bucket_loop_batch_for_batch(trial):
+    rng = np.random.default_rng(trial)
+    num_buckets = [1, 3, 626, 626, 40, 2][trial]
+    n = [0, 50, 20_000, 3_000, 10_000, 7][trial]
+    buckets = rng.integers(-1, num_buckets, n).astype(np.int32)
+    sizes = [int(s) for s in rng.integers(1, 40, num_buckets)]
+    sampler = BucketBatchSampler(lambda epoch: buckets, sizes, seed=trial)
+    got, want = sampler.global_batches(trial % 3), reference_plan(buckets, sizes, trial, trial % 3)
+    assert len(got) == len(want)
+    assert all(b == c and np.array_equal(i, j) for (b, i), (c, j) in zip(got, want))
+    sampler.set_position(trial % 3, 0)
+    assert [[i for i, _, _ in batch] for batch in sampler] == [list(i) for _, i in want]

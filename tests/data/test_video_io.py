@@ -1,4 +1,4 @@
-"""Round trips and failure modes of videodit.data.video."""
+"""Round trips, reading frames by number, and failure modes of videodit.data.video."""
 
 import os
 import tracemalloc
@@ -7,6 +7,7 @@ import av
 import numpy as np
 import pytest
 
+from clipgen import encode_h264, moving_frames, size_change_mp4
 from videodit.data import video
 from videodit.data.video import (IMAGE_FPS, VideoReadError, probe_video, read_video,
                                  write_video)
@@ -151,8 +152,6 @@ def test_unreadable_files_raise_video_read_error(tmp_path, name, content, reason
 
 
 # --------------------------------------------------------------------------- reading frames by number
-
-from clipgen import encode_h264, moving_frames, size_change_mp4  # noqa: E402
 
 
 def _windows(total, rng, count=25):

@@ -26,7 +26,7 @@ from videodit.checkpoint.loaded import LoadedCheckpoint
 from videodit.checkpoint.manager import best_checkpoints, read_events
 from videodit.checkpoint.writer import fsync_path, write_safetensors
 from videodit.components import model_geometry
-from videodit.config import from_dict
+from videodit.config import from_yaml
 from videodit.errors import UserError
 from videodit.models.stdit import DiTGeometry, geometry_config
 
@@ -300,6 +300,6 @@ def export(ckpt: str | Path, out_dir: str | Path, use_ema: bool = False, dtype: 
 def _geometry(run_config: str, tensors: dict[str, torch.Tensor]) -> DiTGeometry:
     """The model's arguments: sizes from the run's config, the encoders' widths from the
     weights (so no encoder has to be loaded to export)."""
-    cfg = from_dict(yaml.safe_load(run_config) or {})
+    cfg = from_yaml(run_config, "the checkpoint's config.yaml")
     return model_geometry(cfg, latent_channels=tensors["patch_embed.weight"].shape[1],
                           caption_channels=tensors["caption_embedder.null_caption"].shape[1])

@@ -132,6 +132,14 @@ def _set_dotted(raw: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def from_yaml(text: str, what: str) -> Config:
+    """A validated config from YAML text someone handed us (a checkpoint's config.yaml)."""
+    raw = parse_yaml(text, what) or {}
+    if not isinstance(raw, dict):
+        raise UserError(f"{what} must be a mapping of keys to values")
+    return from_dict(raw)
+
+
 def from_dict(raw: dict) -> Config:
     cfg = _build(Config, _apply_memory_aliases(_apply_parallel_aliases(raw)), prefix="")
     cfg.model = cfg.model.resolved()

@@ -92,6 +92,9 @@ class DataConfig:
     bucket_config_file: Optional[str] = opt(None, "read bucket_config from an Open-Sora .py config "
                                             "(never executed) or a YAML file")
     bad_rows: str = opt("skip", "invalid CSV rows: skip them (counted) or error", choices=("skip", "error"))
+    metadata_cache: str = opt("auto", "folder for the memory-mapped copy of data.csv that the ranks of a node "
+                              "share: auto (~/.cache/videodit/metadata, for files of 64 MiB or more), off, "
+                              "or a folder")
     max_bad_fraction: float = opt(0.05, "stop when more than this fraction of file reads fail",
                                   min=0.0, max=1.0)
     on_change: str = opt("error", "on resume with a changed dataset or bucket config: error or "
@@ -150,6 +153,15 @@ class TrainConfig:
     on_nonfinite: str = opt("stop", "a step whose loss or gradient norm is NaN/inf: stop the run (no update, no "
                             "checkpoint of it) or skip the update (counted in metrics as skipped_steps)",
                             choices=("stop", "skip"))
+    compile: bool = opt(False, "torch.compile every transformer block (regional compilation, as torchtitan): "
+                        "composes with activation checkpointing, DDP, FSDP2/HSDP, TP, SP and PP; recompiles are "
+                        "logged in metrics as recompiles")
+    compile_dynamic: str = opt("auto", "shapes of compiled blocks: auto (dynamic batch, frames and positions when "
+                               "the data has several bucket shapes, else static), dynamic (always), static (one "
+                               "graph per bucket shape: for a few buckets)", choices=("auto", "dynamic", "static"))
+    compile_backend: str = opt("inductor", "torch.compile backend: inductor (generated kernels), aot_eager "
+                               "(tracing only, for debugging; no speed-up)",
+                               choices=("inductor", "aot_eager", "eager"))
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+import numpy as np
 
 from videodit.data.buckets.assign import DROP_REASON_TEXT, DropReason
 from videodit.data.buckets.plan import BucketPlan
@@ -14,9 +14,8 @@ def bucket_report(plan: BucketPlan, *, dp_size: int = 1, epoch: int = 0) -> dict
     assignment = plan.assignment(epoch)
     sampler = BucketBatchSampler(plan.assign, [b.batch_size for b in plan.buckets], seed=plan.seed,
                                  dp_size=dp_size, fingerprint=plan.fingerprint)
-    batches_per_bucket = defaultdict(int)
-    for bucket, _ in sampler.global_batches(epoch):
-        batches_per_bucket[bucket] += 1
+    epoch_plan = sampler.global_batches(epoch)
+    batches_per_bucket = np.bincount(epoch_plan.bucket, minlength=len(plan.buckets))
     counts = assignment.bucket_counts()
 
     rows: dict[tuple[str, int], dict] = {}
@@ -25,21 +24,20 @@ def bucket_report(plan: BucketPlan, *, dp_size: int = 1, epoch: int = 0) -> dict
             "resolution": bucket.resolution, "num_frames": bucket.num_frames,
             "batch_size": bucket.batch_size, "samples": 0, "batches": 0, "aspect_ratios": {}})
         row["samples"] += int(counts[index])
-        row["batches"] += batches_per_bucket[index]
+        row["batches"] += int(batches_per_bucket[index])
         if counts[index]:
             row["aspect_ratios"][bucket.ratio] = {"height": bucket.height, "width": bucket.width,
                                                   "samples": int(counts[index])}
     dropped = {DROP_REASON_TEXT[reason]: count for reason, count in assignment.reason_counts().items()
                if reason != DropReason.KEPT}
-    global_batches = len(sampler.global_batches(epoch))
+    global_batches = len(epoch_plan)
     warnings = [f"{r['resolution']} x {r['num_frames']} frames receives no batch ({r['samples']} samples, "
                 f"batch size {r['batch_size']})" for r in rows.values() if r["batches"] == 0]
     return {
         "epoch": epoch, "dp_size": dp_size, "samples": len(assignment.bucket),
         "kept": int(assignment.kept.sum()), "buckets": list(rows.values()), "dropped": dropped,
         "global_batches": global_batches, "steps_per_epoch": global_batches // dp_size,
-        "samples_per_epoch": sum(b.batch_size * n for b, n in
-                                 ((plan.buckets[i], n) for i, n in batches_per_bucket.items())),
+        "samples_per_epoch": int(sum(b.batch_size * int(n) for b, n in zip(plan.buckets, batches_per_bucket))),
         "warnings": warnings,
     }
 

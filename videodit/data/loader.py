@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
 from torch.utils.data import DataLoader
 
 from videodit.config import DataConfig
@@ -27,11 +28,12 @@ class TrainData:
 
 def build_training_data(data: DataConfig, *, batch_size: int, seed: int, dp_rank: int = 0,
                         dp_size: int = 1) -> TrainData:
-    meta = read_metadata(data.csv, bad_rows=data.bad_rows)
+    meta = read_metadata(data.csv, bad_rows=data.bad_rows, cache=data.metadata_cache, progress=True)
     plan = BucketPlan(meta, data, batch_size, seed)
     dataset = VideoDataset(meta, plan, data.frame_interval, seed=seed)
     sampler = BucketBatchSampler(plan.assign, [b.batch_size for b in plan.buckets], seed=seed,
-                                 dp_rank=dp_rank, dp_size=dp_size, fingerprint=plan.fingerprint)
+                                 dp_rank=dp_rank, dp_size=dp_size, fingerprint=plan.fingerprint,
+                                 legacy_fingerprint=plan.legacy_fingerprint)
     if sampler.steps_in_epoch(0) == 0:
         counts = plan.assignment(0).bucket_counts()
         raise UserError(f"no full batch in epoch 0: {len(meta)} samples, {int(counts.sum())} in buckets, "
@@ -46,11 +48,12 @@ def build_validation_data(data: DataConfig, csv: str, *, batch_size: int, seed: 
                           max_samples: int) -> tuple[DataLoader, int]:
     """A loader over a fixed validation set, and its size: the first ``max_samples`` samples
     that epoch 0 puts in a bucket, batched per bucket in order, the same set every time."""
-    meta = read_metadata(csv, bad_rows="skip", option="validation.csv")
+    meta = read_metadata(csv, bad_rows="skip", option="validation.csv", cache=data.metadata_cache)
     plan = BucketPlan(meta, data, batch_size, seed=seed)
     dataset = VideoDataset(meta, plan, data.frame_interval, seed=seed)
     buckets = plan.assign(0)
-    keys = [(int(i), 0, int(buckets[i])) for i in range(len(buckets)) if buckets[i] >= 0][:max_samples]
+    chosen = np.flatnonzero(buckets >= 0)[:max_samples]
+    keys = [(i, 0, b) for i, b in zip(chosen.tolist(), buckets[chosen].tolist())]
     by_bucket = defaultdict(list)
     for key in keys:
         by_bucket[key[2]].append(key)

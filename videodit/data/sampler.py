@@ -12,6 +12,9 @@ same number of steps. Everything is computed from (seed, epoch) on every rank wi
 communication; ranks of one sequence/tensor-parallel group pass the same ``dp_rank`` and
 so receive identical batches.
 
+The plan is computed over index arrays (``make_epoch_plan``): 10M samples in 626 buckets take
+about a second, and the position saved in a checkpoint is two numbers, not a list of samples.
+
 The position is the number of *global* batches consumed in the epoch. Resuming at a
 different data-parallel size continues from the same global batch: within the epoch no
 sample is seen twice and none is skipped (except the usual unequal tail).
@@ -24,7 +27,8 @@ bitwise reproducible on resume, with or without DataLoader workers.
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Sequence
+from collections.abc import Sequence
+from typing import Callable
 
 import numpy as np
 
@@ -33,9 +37,59 @@ from videodit.errors import UserError
 AssignFn = Callable[[int], np.ndarray]   # epoch -> bucket per sample (-1 = dropped)
 
 
+class EpochPlan(Sequence):
+    """One epoch's global batches as flat arrays, no Python object per sample or batch.
+
+    ``members`` holds the batched sample indices bucket by bucket (each bucket shuffled);
+    global batch ``g`` is ``members[start[g] : start[g] + size[g]]`` from bucket ``bucket[g]``.
+    Indexing gives ``(bucket, indices)`` as the list of batches used to.
+    """
+
+    def __init__(self, members: np.ndarray, start: np.ndarray, size: np.ndarray, bucket: np.ndarray):
+        self.members, self.start, self.size, self.bucket = members, start, size, bucket
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    def __getitem__(self, g):
+        if isinstance(g, slice):
+            return [self[i] for i in range(*g.indices(len(self)))]
+        start = int(self.start[g])
+        return int(self.bucket[g]), self.members[start : start + int(self.size[g])]
+
+
+def make_epoch_plan(buckets: np.ndarray, batch_sizes: Sequence[int], seed: int, epoch: int) -> EpochPlan:
+    """Shuffle each bucket, cut it into full batches, shuffle the batches: the same random
+    stream, in the same order of calls, as the loop over buckets this replaces, so the same
+    batches come out (``tests/data/test_sampler.py`` holds that loop as the reference)."""
+    buckets = np.asarray(buckets)
+    rng = np.random.default_rng([seed, epoch])
+    kept = np.flatnonzero(buckets >= 0)
+    small = np.int16 if len(batch_sizes) < 2**15 else np.int32   # int16 sorts by radix: O(n)
+    grouped = kept[np.argsort(buckets[kept].astype(small), kind="stable")]   # by bucket, then index
+    counts = np.bincount(buckets[kept], minlength=len(batch_sizes)) if len(kept) else np.zeros(0, np.int64)
+    index = np.int32 if len(buckets) < 2**31 else np.int64
+    members, starts, sizes, ids = [], [], [], []
+    lo = done = 0
+    for bucket in np.flatnonzero(counts):
+        count, size = int(counts[bucket]), batch_sizes[bucket]
+        group = grouped[lo : lo + count][rng.permutation(count)]
+        lo, full = lo + count, count // size * size
+        members.append(group[:full].astype(index))
+        starts.append(done + np.arange(0, full, size, dtype=np.int64))
+        sizes.append(np.full(full // size, size, np.int64))
+        ids.append(np.full(full // size, bucket, np.int32))
+        done += full
+    join = lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype)
+    starts, sizes, ids = join(starts, np.int64), join(sizes, np.int64), join(ids, np.int32)
+    order = rng.permutation(len(starts))
+    return EpochPlan(join(members, index), starts[order], sizes[order], ids[order])
+
+
 class BucketBatchSampler:
     def __init__(self, assign: AssignFn, batch_sizes: Sequence[int], *, seed: int = 0,
-                 dp_rank: int = 0, dp_size: int = 1, fingerprint: str = ""):
+                 dp_rank: int = 0, dp_size: int = 1, fingerprint: str = "",
+                 legacy_fingerprint: Callable[[], str] | None = None):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} outside dp_size={dp_size}")
         self.assign = assign
@@ -44,30 +98,19 @@ class BucketBatchSampler:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.fingerprint = fingerprint
+        self.legacy_fingerprint = legacy_fingerprint
         self.epoch = 0
         self.offset = 0            # global batches of ``epoch`` already consumed
-        self._plan: tuple[int, list[tuple[int, np.ndarray]]] | None = None
+        self._plan: tuple[int, EpochPlan] | None = None
 
     # ------------------------------------------------------------------ the epoch plan
 
-    def global_batches(self, epoch: int) -> list[tuple[int, np.ndarray]]:
+    def global_batches(self, epoch: int) -> EpochPlan:
         """All (bucket, sample indices) batches of ``epoch`` in global order (cached)."""
         if self._plan is None or self._plan[0] != epoch:
-            self._plan = (epoch, self._make_plan(epoch))
+            self._plan = None   # free the old plan first
+            self._plan = (epoch, make_epoch_plan(self.assign(epoch), self.batch_sizes, self.seed, epoch))
         return self._plan[1]
-
-    def _make_plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
-        buckets = np.asarray(self.assign(epoch))
-        rng = np.random.default_rng([self.seed, epoch])
-        batches = []
-        for bucket in np.unique(buckets[buckets >= 0]):
-            members = np.flatnonzero(buckets == bucket)
-            members = members[rng.permutation(len(members))]
-            size = self.batch_sizes[bucket]
-            for start in range(0, len(members) - size + 1, size):
-                batches.append((int(bucket), members[start : start + size]))
-        order = rng.permutation(len(batches))
-        return [batches[i] for i in order]
 
     def steps_in_epoch(self, epoch: int, offset: int = 0) -> int:
         """Batches each rank takes in ``epoch`` starting at global batch ``offset``."""
@@ -85,10 +128,11 @@ class BucketBatchSampler:
 
     def __iter__(self):
         epoch, offset = self.epoch, self.offset
-        remaining = self.global_batches(epoch)[offset:]
-        usable = len(remaining) // self.dp_size * self.dp_size
-        for bucket, indices in remaining[self.dp_rank : usable : self.dp_size]:
-            yield [(int(i), epoch, bucket) for i in indices]
+        plan = self.global_batches(epoch)
+        usable = max(len(plan) - offset, 0) // self.dp_size * self.dp_size
+        for g in range(offset + self.dp_rank, offset + usable, self.dp_size):
+            bucket, indices = plan[g]
+            yield [(i, epoch, bucket) for i in indices.tolist()]
 
     def state_dict(self, epoch: int, offset: int) -> dict:
         return {"epoch": epoch, "offset": offset, "dp_size": self.dp_size, "seed": self.seed,
@@ -99,12 +143,17 @@ class BucketBatchSampler:
 
         A changed dataset or bucket config makes the saved offset meaningless: with
         ``on_change="error"`` that is a UserError saying so; with ``"restart_epoch"`` the
-        saved epoch starts over from its first batch.
+        saved epoch starts over from its first batch. A checkpoint written before the
+        columnar metadata reader holds the old kind of fingerprint, checked against
+        ``legacy_fingerprint()`` (computed only then).
         """
         epoch, offset = int(state["epoch"]), int(state["offset"])
-        changed = [what for what, saved, now in (("seed", state.get("seed"), self.seed),
-                                                 ("dataset or bucket config", state.get("fingerprint"),
-                                                  self.fingerprint)) if saved != now]
+        saved = state.get("fingerprint")
+        same_data = saved == self.fingerprint or (
+            self.legacy_fingerprint is not None and isinstance(saved, str) and len(saved) == 16
+            and saved == self.legacy_fingerprint())
+        changed = [what for what, differs in (("seed", state.get("seed") != self.seed),
+                                              ("dataset or bucket config", not same_data)) if differs]
         if changed:
             if on_change != "restart_epoch":
                 raise UserError(f"the {' and '.join(changed)} changed since the checkpoint, so its data "

@@ -53,9 +53,11 @@ from pathlib import Path
 from typing import Callable
 
 import av
+import numpy as np
+import pyarrow as pa
 from tqdm import tqdm
 
-from videodit.data.metadata import REQUIRED_COLUMNS, read_metadata, write_csv
+from videodit.data.metadata import REQUIRED_COLUMNS, Source, TableWriter, write_csv
 from videodit.data.video import (IMAGE_SUFFIXES, VIDEO_SUFFIXES, VideoReadError, is_image_path, probe_video)
 from videodit.errors import UserError
 
@@ -409,7 +411,7 @@ def filter_metadata(in_csv: str, out_csv: str, min_frames: int | None = None,
                     max_resolution: int | None = None, min_fps: float | None = None,
                     max_fps: float | None = None, min_aspect_ratio: float | None = None,
                     max_aspect_ratio: float | None = None, images: bool = True,
-                    videos: bool = True) -> dict:
+                    videos: bool = True, progress: bool = False) -> dict:
     """Write the rows of ``in_csv`` that pass every bound to ``out_csv`` (atomically).
 
     Bounds are inclusive; ``None`` means unbounded. ``resolution`` is ``height * width``
@@ -418,7 +420,8 @@ def filter_metadata(in_csv: str, out_csv: str, min_frames: int | None = None,
     Images are rows with ``num_frames == 1`` (what training treats as images);
     ``images=False`` / ``videos=False`` drop them / the rest. Rows failing
     ``read_metadata`` validation are dropped as ``invalid``. Every column is kept, in
-    order, with its original text.
+    order, with its original text. ``in_csv`` may be Parquet; ``out_csv`` is written as
+    Parquet when it ends in ``.parquet``, else as CSV. ``progress`` shows a bar on long reads.
 
     Returns ``{"rows", "kept", "dropped", "dropped_by": {reason: count}, "invalid_rows":
     [(CSV line, reason), ...], "csv"}``; ``dropped_by`` holds every reason in
@@ -446,37 +449,37 @@ def filter_metadata(in_csv: str, out_csv: str, min_frames: int | None = None,
     if out_csv.is_dir():
         raise UserError(f"output {str(out_csv)!r} is a folder; give a CSV file name")
 
-    meta = read_metadata(in_csv, bad_rows="skip")
-    header = list(meta.columns)
+    source = Source(Path(in_csv))
     dropped_by = dict.fromkeys(FILTER_REASONS, 0)
-    dropped_by["invalid"] = len(meta.bad_rows)
-    kept = []
-    for row in range(len(meta)):
-        frames, height, width = meta.num_frames[row], meta.heights[row], meta.widths[row]
-        values = {"frames": frames, "height": height, "width": width, "resolution": height * width,
-                  "fps": meta.fps[row], "aspect_ratio": height / width}
-        reason = None
-        if frames == 1 and not images:
-            reason = "images"
-        elif frames > 1 and not videos:
-            reason = "videos"
-        else:
-            for name, (low, high) in bounds.items():
-                if low is not None and values[name] < low:
-                    reason = f"min_{name}"
-                    break
-                if high is not None and values[name] > high:
-                    reason = f"max_{name}"
-                    break
-        if reason is None:
-            kept.append({name: meta.columns[name][row] for name in header})
-        else:
-            dropped_by[reason] += 1
+    invalid, rows, kept = [], 0, 0
+    with TableWriter(out_csv, source.schema) as writer:
+        for chunk in source.chunks(progress):   # block by block: memory stays flat on any file size
+            invalid += chunk.bad
+            rows += chunk.rows.num_rows + len(chunk.bad)
+            frames, height, width = (chunk.numbers[k] for k in ("num_frames", "height", "width"))
+            values = {"frames": frames, "height": height, "width": width, "resolution": height * width,
+                      "fps": chunk.numbers["fps"], "aspect_ratio": height / width}
+            reason = np.full(len(frames), -1, np.int16)   # the first reason a row fails, -1: kept
 
-    write_csv(out_csv, tuple(header), kept)
-    total = len(meta) + len(meta.bad_rows)
-    return {"rows": total, "kept": len(kept), "dropped": total - len(kept), "dropped_by": dropped_by,
-            "invalid_rows": list(meta.bad_rows), "csv": str(out_csv)}
+            def drop(mask, name):
+                reason[mask & (reason < 0)] = FILTER_REASONS.index(name)
+
+            drop((frames == 1) & (not images), "images")
+            drop((frames > 1) & (not videos), "videos")
+            for name, (low, high) in bounds.items():
+                if low is not None:
+                    drop(values[name] < low, f"min_{name}")
+                if high is not None:
+                    drop(values[name] > high, f"max_{name}")
+            for name, count in zip(FILTER_REASONS, np.bincount(reason[reason >= 0], minlength=len(FILTER_REASONS))):
+                dropped_by[name] += int(count)
+            writer.write(chunk.rows.filter(pa.array(reason < 0)))
+            kept += int((reason < 0).sum())
+        if rows == len(invalid):
+            raise UserError(f"{source.path} has no usable rows")
+    dropped_by["invalid"] = len(invalid)
+    return {"rows": rows, "kept": kept, "dropped": rows - kept, "dropped_by": dropped_by,
+            "invalid_rows": invalid, "csv": str(out_csv)}
 
 
 # --------------------------------------------------------------------------- output

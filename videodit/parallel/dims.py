@@ -112,6 +112,9 @@ class ParallelDims:
                             f"parallel.pp={self.pp}; valid: {', '.join(str(self.pp * k) for k in range(1, 5))}, ...")
         return per_rank, microbatches
 
+    def check_compile(self, *, offload: bool) -> None:
+        """Raise a UserError for a layout ``train.compile`` does not support."""
+
     # ------------------------------------------------------------------ derived sizes
 
     @property

@@ -1,6 +1,6 @@
 """Apply parallelism to a DiT from outside, in order: pipeline stages, tensor parallel,
-sequence parallel, the activation-memory levers (checkpointing, offload, compression), then
-data parallel (DDP, or FSDP2 per block and at each root).
+sequence parallel, activation checkpointing, regional compilation (``train.compile``), the
+offload and compression levers, then data parallel (DDP, or FSDP2 per block and at each root).
 
 ``parallelize`` returns a :class:`ParallelModel`. Its ``local_model`` holds this rank's
 parameters under their names in the whole model (FSDP2 and TP shard in place; pipeline
@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from videodit.config import MemoryConfig, ParallelConfig
 from videodit.parallel.activation_checkpoint import apply_activation_checkpointing
+from videodit.parallel.compile import CompileOptions, CompileStats, apply_compile
 from videodit.parallel.distributed import DistContext
 from videodit.models.flops import block_costs
 from videodit.models.stdit import STDiT
@@ -48,6 +49,7 @@ class ParallelModel:
     pipeline: PipelineSchedule | None = None
     autocast_dtype: torch.dtype | None = None
     partial_gradients: list[str] = field(default_factory=list)   # summed over TP after backward
+    compile_stats: CompileStats | None = None                      # graphs compiled for the blocks
 
     @property
     def sharded(self) -> bool:
@@ -88,6 +90,11 @@ class ParallelModel:
             loss.backward()
         return loss.item()
 
+    def compile_metrics(self) -> dict:
+        """``{"recompiles": n}`` under ``train.compile`` (graphs compiled after the first of each
+        block kind, on this rank), else nothing."""
+        return {} if self.compile_stats is None else {"recompiles": self.compile_stats.recompiles}
+
     def global_loss(self, local: float) -> float:
         """A step's loss over every rank, from each rank's sum of ``forward_backward`` results."""
         if self.pipeline is not None:   # only the last stage saw the loss
@@ -105,15 +112,19 @@ class ParallelModel:
 def parallelize(model: STDiT, ctx: DistContext, cfg: ParallelConfig, *, memory: MemoryConfig,
                 loss_fn: Callable, autocast_dtype: torch.dtype | None = None,
                 bucket_batch_sizes: dict[str, int] | None = None,
-                base_grid: tuple[int, int, int] | None = None) -> ParallelModel:
+                base_grid: tuple[int, int, int] | None = None,
+                compile: CompileOptions | None = None) -> ParallelModel:
     """Apply ``cfg``'s layout and ``memory``'s levers to ``model``.
 
     ``loss_fn(output, x_t, t, velocity_target)`` is the training loss (the pipeline's last
     stage computes it per micro-batch). With ``parallel.pp > 1``: every bucket's batch size
     (``bucket_batch_sizes``, name -> size) must cut into the micro-batches, and
     ``pp_split=cost`` balances the stages by FLOPs at ``base_grid`` = (latent frames,
-    positions per frame, caption tokens) after patching: the data's base bucket."""
+    positions per frame, caption tokens) after patching: the data's base bucket. ``compile``:
+    compile every block (``parallel/compile.py``); refused combinations fail here, first."""
     dims = ctx.dims
+    if compile is not None:
+        dims.check_compile(offload=memory.offload)
     pipeline, stages = None, [model]
     if dims.pp > 1:
         check_microbatches(bucket_batch_sizes or {}, ctx.pp_microbatches)
@@ -128,25 +139,34 @@ def parallelize(model: STDiT, ctx: DistContext, cfg: ParallelConfig, *, memory: 
     partial = apply_tensor_parallel(model, ctx.meshes["tp"]) if dims.tp > 1 else []
     if dims.sp > 1:
         apply_sequence_parallel(model, ctx.group("sp"))
-    apply_memory_levers(model, memory)
+    chosen = apply_activation_checkpointing(model, memory)
+    stats = None
+    if compile is not None:   # torchtitan's place: after TP, SP and checkpointing, before FSDP
+        stats = apply_compile(model, compile, shapes=len(bucket_batch_sizes or {}) or 1)
+    apply_saved_tensor_levers(model, memory, chosen)
     module = model
     if dims.data_parallel in ("fsdp", "hsdp"):
         apply_fsdp(model, stages, ctx, cfg, param_dtype=autocast_dtype)
     elif dims.data_parallel == "ddp":
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         module = DistributedDataParallel(model, process_group=ctx.group("dp_sp"), device_ids=device_ids)
-    return ParallelModel(model, module, loss_fn, ctx, pipeline, autocast_dtype, partial)
+    return ParallelModel(model, module, loss_fn, ctx, pipeline, autocast_dtype, partial, stats)
 
 
 def apply_memory_levers(model: nn.Module, cfg: MemoryConfig) -> list[int]:
     """Checkpoint the chosen blocks; offload or compress what the other blocks save for
     backward (a checkpointed block saves only its inputs). Returns the checkpointed indices."""
     chosen = apply_activation_checkpointing(model, cfg)
+    apply_saved_tensor_levers(model, cfg, chosen)
+    return chosen
+
+
+def apply_saved_tensor_levers(model: nn.Module, cfg: MemoryConfig, checkpointed: list[int]) -> None:
+    """Offload or compress what the blocks that are not checkpointed save for backward."""
     if cfg.offload or cfg.compression != "none":
         for i, block in enumerate(model.blocks):
-            if i not in chosen:
+            if i not in checkpointed:
                 wrap_saved_tensors(block, offload=cfg.offload, compression=cfg.compression)
-    return chosen
 
 
 def apply_fsdp(model: nn.Module, roots: list[nn.Module], ctx: DistContext, cfg: ParallelConfig, *,

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
-from videodit.config import Config, from_dict, to_dict
+from videodit.config import Config, from_yaml, to_dict
 from videodit.errors import UserError
 
 
@@ -32,7 +31,7 @@ RESUMABLE_CHANGES = ("name", "resume", "train.max_steps", "train.log_every", "tr
 
 def check_config_change(saved_yaml: str, cfg: Config) -> list[str]:
     """Say what changed since the checkpoint; refuse unless checkpoint.on_config_change=continue."""
-    saved = _flatten(to_dict(from_dict(yaml.safe_load(saved_yaml))))
+    saved = _flatten(to_dict(from_yaml(saved_yaml, "the checkpoint's config.yaml")))
     now = _flatten(to_dict(cfg))
     changed = [f"{key}: {saved.get(key)!r} -> {now.get(key)!r}" for key in sorted(saved.keys() | now.keys())
                if saved.get(key) != now.get(key) and not key.startswith(RESUMABLE_CHANGES)]

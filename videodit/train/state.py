@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from videodit.checkpoint import CheckpointManager, LoadedCheckpoint
 from videodit.data.sampler import BucketBatchSampler
@@ -97,22 +96,15 @@ class TrainState:
     def _check_shapes(self, ckpt: LoadedCheckpoint) -> None:
         """The checkpoint's weights must fit this model (a changed model.* under
         checkpoint.on_config_change=continue does not): read from the file's header only."""
-        try:
-            saved = safe_open(str(ckpt.path / "model.safetensors"), framework="pt")
-        except Exception as exc:   # safetensors raises its own error type for a damaged header
-            raise UserError(f"checkpoint {ckpt.path}: model.safetensors cannot be read ({str(exc)[:120]}); resume "
-                            "from an earlier checkpoint") from None
-        with saved:
-            names = set(saved.keys())
-            for name, tensor in self.model.state_dict().items():   # DTensor shapes are the whole shapes
-                if name not in names:
-                    raise UserError(f"checkpoint {ckpt.path} has no weight {name}: it was written for another "
-                                    "model; resume with that run's model.* or start a new run with model.init_from")
-                shape = tuple(saved.get_slice(name).get_shape())
-                if shape != tuple(tensor.shape):
-                    raise UserError(f"checkpoint {ckpt.path}: {name} is {shape} there but {tuple(tensor.shape)} "
-                                    "here: model.* changed since it was saved; resume with that run's model.*, "
-                                    "or start a new run with model.init_from")
+        saved = ckpt.tensor_shapes("model")
+        for name, tensor in self.model.state_dict().items():   # DTensor shapes are the whole shapes
+            if name not in saved:
+                raise UserError(f"checkpoint {ckpt.path} has no weight {name}: it was written for another model; "
+                                "resume with that run's model.* or start a new run with model.init_from")
+            if saved[name] != tuple(tensor.shape):
+                raise UserError(f"checkpoint {ckpt.path}: {name} is {saved[name]} there but {tuple(tensor.shape)} "
+                                "here: model.* changed since it was saved; resume with that run's model.*, "
+                                "or start a new run with model.init_from")
 
     def _check_finite(self, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
         """Never write a checkpoint with NaN/inf weights (rank 0 holds the whole tensors; it

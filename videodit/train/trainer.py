@@ -34,6 +34,7 @@ from videodit.diffusion.rectified_flow import RectifiedFlow
 from videodit.errors import UserError, os_error_message
 from videodit.models.flops import train_step_flops
 from videodit.models.stdit import count_parameters
+from videodit.parallel.compile import compile_options
 from videodit.parallel.distributed import init_distributed
 from videodit.parallel.parallelize import parallelize
 from videodit.sample import generate, write_clips
@@ -83,7 +84,7 @@ class Trainer:
                                     autocast_dtype=torch.bfloat16 if use_bf16 else None,
                                     bucket_batch_sizes={f"{b.resolution}/{b.num_frames}/{b.ratio}": b.batch_size
                                                         for b in self.data.plan.buckets if b.batch_size},
-                                    base_grid=self._base_grid(model))
+                                    base_grid=self._base_grid(model), compile=compile_options(tc))
         # This rank's parameters, named as in the whole model (FSDP2 and TP shard in place,
         # a pipeline stage keeps its parts).
         self.model = self.parallel.local_model
@@ -273,6 +274,7 @@ class Trainer:
         peak = peak_tflops(name, self.cfg.train.peak_tflops)
         if peak:
             speed["mfu"] = round(speed["tflops"] / peak, 4)
+        speed.update(self.parallel.compile_metrics())   # {"recompiles": n} under train.compile
         return speed
 
     def _base_grid(self, model) -> tuple[int, int, int]:
