@@ -269,11 +269,11 @@ class Trainer:
         samples, flops = throughput.read()
         samples, flops = self.ctx.mean(samples), self.ctx.mean(flops)
         groups = self.ctx.world_size // self.ctx.dp_size   # ranks that split one batch's work
-        speed = {"samples_per_s": round(samples * self.ctx.dp_size, 2), "tflops": round(flops / groups / 1e12, 4)}
+        speed = {"samples_per_s": round(samples * self.ctx.dp_size, 2), "tflops": _significant(flops / groups / 1e12)}
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         peak = peak_tflops(name, self.cfg.train.peak_tflops)
         if peak:
-            speed["mfu"] = round(speed["tflops"] / peak, 4)
+            speed["mfu"] = _significant(speed["tflops"] / peak)
         speed.update(self.parallel.compile_metrics())   # {"recompiles": n} under train.compile
         return speed
 
@@ -379,6 +379,11 @@ class Trainer:
         if latest is None:
             print(f"resume=auto: no checkpoint in {self.ckpt_root}, starting fresh", flush=True)
         return latest
+
+
+def _significant(value: float, digits: int = 4) -> float:
+    """``value`` to ``digits`` significant digits: TFLOP/s of a tiny CPU model are ~1e-5."""
+    return float(f"{value:.{digits}g}")
 
 
 def noise_seed(seed: int, epoch: int, global_batch: int) -> int:
