@@ -65,8 +65,8 @@ def run_case(case: Case) -> dict:
     except subprocess.TimeoutExpired:
         code, out = "timeout", ""
     lines = [line for line in out.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith(("error", "usage:"))] or [line for line in lines
-                                                                                  if "rror" in line]
+    errors = [line for line in lines if line.startswith(("error", "note:"))] or \
+        [line for line in lines if "rror" in line]
     first = (errors or lines or [""])[0][:160]
     intact = digest(case.watch) == before
     clean = "Traceback" not in out
@@ -137,8 +137,8 @@ def build_cases(tmp: Path) -> list[Case]:
     add(Case("mistyped data.csv (no toy made)", ["train", "tiny", "data.csv=videodit-toi/train.csv",
                                                  "--out", str(tmp / "typo-run")], cwd=tmp,
              check=lambda: (not (tmp / "videodit-toi").exists(), "no toy data generated")))
-    add(Case("data filter -o onto its input", ["data", "filter", str(toy / "train.csv"), "-o",
-                                               str(toy / "train.csv"), "--min-frames", "100"], watch=[toy / "train.csv"]))
+    add(Case("data filter -o onto its input", ["data", "filter", str(toy / "train.csv"), "-o", str(toy / "train.csv"),
+                                               "--min-frames", "100"], watch=[toy / "train.csv"]))
     add(Case("toy make over a user's train.csv", ["toy", "make", str(toy)], watch=[toy / "train.csv"]))
     add(Case("buckets META --config C key=value", ["buckets", str(toy / "train.csv"), "--config", "tiny",
                                                    "train.batch_size=2"], expect=0))
@@ -200,7 +200,7 @@ def build_cases(tmp: Path) -> list[Case]:
     add(Case("malformed manifest: ckpt inspect", ["ckpt", "inspect", str(target)]))
     add(Case("malformed manifest: ckpt list", ["ckpt", "list", str(bad_manifest)], expect=0))
     zero = copy_run("dev-zero")
-    weights = zero / "checkpoints" / "step-0000002" / "model.safetensors"
+    weights = zero / "checkpoints" / "step-0000002" / "ema.safetensors"   # what sampling reads
     weights.unlink()
     weights.symlink_to("/dev/zero")
     add(Case("checkpoint file is /dev/zero", ["sample", "--ckpt", str(zero / "checkpoints" / "step-0000002"),
