@@ -14,9 +14,9 @@ clips of ``size x size`` and ``frames`` frames) is written to a temporary folder
 * pipeline: ``build_training_data`` from the ``tiny`` config with ``data.num_frames``,
   ``data.height`` and ``data.width`` equal to the clips' own (so every decoded frame is
   delivered and resize/crop is a no-op), iterating the DataLoader for one epoch with
-  ``data.num_workers`` = each of ``--workers``. That is ``read_video`` (threaded decode,
-  rgb24, stack) + frame sampling + float conversion/normalisation + batching (+ worker
-  transfer).
+  ``data.num_workers`` = each of ``--workers``. That is ``read_video`` (the sampled frames
+  only) + float conversion/normalisation + batching (+ worker transfer).
+  ``benchmarks/decode.py`` compares the same against tuned raw decoding of the same frames.
 
 Each measurement is repeated ``--repeats`` times (the first repeat also warms the page
 cache) and the best is reported. ``ratio`` is throughput / naive raw throughput, on

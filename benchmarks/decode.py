@@ -2,7 +2,7 @@
 
     python benchmarks/decode.py [--size 128] [--frames 16] [--long-frames 240]
                                 [--clips-per-combination 6] [--batch-size 16] [--workers 0 2]
-                                [--repeats 3] [--memory-frames 1500]
+                                [--repeats 5] [--memory-frames 1500]
 
 Two toy datasets (``make_toy_dataset``, 54 seen combinations x clips-per-combination mp4
 clips of ``size x size``) are written to a temporary folder:
@@ -193,7 +193,7 @@ def main() -> None:
     parser.add_argument("--clips-per-combination", type=int, default=6, help="clips per dataset = 54 x this")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
-    parser.add_argument("--repeats", type=int, default=3, help="runs per measurement; the best counts")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per measurement; the best counts")
     parser.add_argument("--memory-frames", type=int, default=1500, help="long clip for the memory figure (0: skip)")
     args = parser.parse_args()
 

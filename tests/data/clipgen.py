@@ -65,3 +65,21 @@ def size_change_mp4(path, first: np.ndarray, second: np.ndarray, rate: int = 8) 
             packet.pts = packet.dts = number
             packet.duration, packet.time_base, packet.stream = 1, Fraction(1, rate), stream
             target.mux(packet)
+
+
+def damage_outside(source, target, keep: range, seed: int = 0) -> None:
+    """Copy ``source`` to ``target`` with the payload of every packet outside ``keep``
+    (packet numbers in decode order) replaced by random bytes: decoding those fails."""
+    rng = np.random.default_rng(seed)
+    with av.open(str(source)) as src, av.open(str(target), "w") as dst:
+        template = src.streams.video[0]
+        stream = (dst.add_stream_from_template(template) if hasattr(dst, "add_stream_from_template")
+                  else dst.add_stream(template=template))   # PyAV < 13
+        for number, packet in enumerate(p for p in src.demux(template) if p.size):
+            if number not in keep:
+                garbage = av.Packet(rng.integers(0, 256, packet.size, dtype=np.uint8).tobytes())
+                garbage.pts, garbage.dts, garbage.duration = packet.pts, packet.dts, packet.duration
+                garbage.time_base, garbage.is_keyframe = packet.time_base, packet.is_keyframe
+                packet = garbage
+            packet.stream = stream
+            dst.mux(packet)

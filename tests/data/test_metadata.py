@@ -4,7 +4,6 @@ replaced, from CSV and Parquet; the node cache shared by local ranks; unchanged 
 from __future__ import annotations
 
 import csv
-import io
 import math
 import multiprocessing
 import os
@@ -21,7 +20,7 @@ from videodit.config import load_config
 from videodit.data.buckets import assign_buckets, parse_bucket_config
 from videodit.data.buckets.plan import BucketPlan
 from videodit.data.metadata import read_metadata
-from videodit.data.sampler import fingerprint
+from videodit.data.sampler import BucketBatchSampler, fingerprint
 from videodit.errors import UserError
 
 HEADER = "path,text,num_frames,height,width,aspect_ratio,fps,extra"
@@ -151,12 +150,36 @@ def test_random_rows_match_the_row_by_row_reader(tmp_path):
     assert_same_as_reference(read_metadata(path), reference_read(path))
 
 
+def test_line_numbers_hold_across_blocks_and_a_stopped_read_ends_its_parser(tmp_path, monkeypatch):
+    import threading
+
+    from videodit.data import metadata
+
+    rng = np.random.default_rng(11)
+    lines = [HEADER]
+    for i in range(2000):
+        kind = rng.integers(12)
+        text = f'"caption {i}\nover two lines"' if kind == 0 else f"caption {i}"
+        row = f"v{i}.mp4,{text},{int(rng.integers(1, 99))},32,32,1.0,8,e"
+        lines.append(row + ",surplus" if kind == 1 else row.rsplit(",", 1)[0] if kind == 2 else
+                     row.replace(",32,", ",-1,", 1) if kind == 3 else row)
+    path = write(tmp_path / "blocks.csv", lines)
+    monkeypatch.setattr(metadata, "BLOCK_BYTES", 2048)   # about 40 blocks
+    assert_same_as_reference(read_metadata(path), reference_read(path))
+    before = threading.active_count()
+    chunks = metadata.Source(path).chunks()
+    next(chunks)
+    chunks.close()
+    assert threading.active_count() == before
+
+
 def test_bad_rows_error_names_lines_and_the_file_must_have_good_rows(tmp_path):
     path = write(tmp_path / "meta.csv", NASTY)
     with pytest.raises(UserError) as info:
         read_metadata(path, bad_rows="error")
     message = str(info.value)
-    assert "\n" not in message and "bad row(s): line 5: empty path; line 6: empty path; line 7: num_frames='-3'" in message
+    assert "\n" not in message
+    assert "bad row(s): line 5: empty path; line 6: empty path; line 7: num_frames='-3'" in message
     assert message.endswith("more); fix them or let videodit skip bad rows")
     write(tmp_path / "none.csv", [HEADER, ",x,1,1,1,1,1,e"])
     with pytest.raises(UserError, match="has no usable rows"):
@@ -170,7 +193,8 @@ def test_bad_rows_error_names_lines_and_the_file_must_have_good_rows(tmp_path):
     (b"path,text,fps\nx.mp4,hi,8\n", r"missing column\(s\) num_frames, height, width, aspect_ratio; Open-Sora"),
     (b"", r"missing column\(s\) path, text, num_frames"),
     (HEADER.encode() + b",path\na.mp4,t,1,2,2,1,8,e,b.mp4\n", r"column\(s\) path more than once"),
-    (HEADER.encode() + b"\na.mp4,caf\xe9,1,2,2,1,8,e\n", rf"is not UTF-8 text \(byte {len(HEADER) + 10}\); save it as UTF-8 CSV"),
+    (HEADER.encode() + b"\na.mp4,caf\xe9,1,2,2,1,8,e\n",
+     rf"is not UTF-8 text \(byte {len(HEADER) + 10}\); save it as UTF-8 CSV"),
 ])
 def test_unreadable_csvs_are_one_line_user_errors(tmp_path, content, match):
     (tmp_path / "meta.csv").write_bytes(content)
@@ -261,6 +285,13 @@ def test_cached_read_is_the_same_and_maps_on_the_next_read(tmp_path):
         assert_same_as_reference(meta, reference_read(path))
     assert len(pickle.dumps(second)) < 2000   # workers map the cache again; the rows are not copied
     assert not second.num_frames.flags.writeable
+    cfg = load_config("tiny", [f"data.csv={path}"])
+    plan = BucketPlan(second, cfg.data, 2, seed=0)
+    samplers = [BucketBatchSampler(plan.assign, [2], seed=0, share=share, share_key=plan.assign_key)
+                for share in (None, second.shared, first.shared)]   # alone, made in the cache, mapped
+    assert list(samplers[0]) == list(samplers[1]) == list(samplers[2])
+    derived = cache / second.read_report.how.split("/")[-1] / "derived"
+    assert sorted(p.name.split("-")[0] for p in derived.iterdir() if not p.name.startswith(".")) == ["buckets", "plan"]
 
 
 def test_cache_key_follows_size_mtime_and_content(tmp_path):

@@ -126,3 +126,20 @@ def test_plan_is_the_bucket_loop_batch_for_batch(trial):
     assert all(b == c and np.array_equal(i, j) for (b, i), (c, j) in zip(got, want))
     sampler.set_position(trial % 3, 0)
     assert [[i for i, _, _ in batch] for batch in sampler] == [list(i) for _, i in want]
+
+
+def test_a_shared_plan_is_made_once_and_is_the_same_plan():
+    made = []
+    store = {}
+
+    def share(name, build):   # stands in for Metadata.shared: made once, then the same arrays
+        if name not in store:
+            made.append(name)
+            store[name] = {key: np.array(value) for key, value in build().items()}
+        return store[name]
+
+    for epoch in (0, 1, 0):
+        shared = BucketBatchSampler(assign, BATCH_SIZES, seed=3, share=share, share_key="k", dp_rank=1, dp_size=2)
+        alone = BucketBatchSampler(assign, BATCH_SIZES, seed=3, dp_rank=1, dp_size=2)
+        assert run_epoch(shared, epoch) == run_epoch(alone, epoch)
+    assert len(made) == 2

@@ -5,6 +5,8 @@ import os
 
 import av
 import numpy as np
+from pathlib import Path
+
 import pytest
 from tqdm import tqdm
 
@@ -230,9 +232,11 @@ def test_filter_bounds_are_inclusive_and_images_videos_switches(meta_csv, tmp_pa
     assert summary["dropped_by"]["images"] == 1
 
 
-def test_filter_in_place(meta_csv):
-    filter_metadata(meta_csv, meta_csv, max_frames=4)
-    assert [r["path"] for r in _read_rows(meta_csv)] == ["clips/short.mp4", "/abs/img.png"]
+def test_filter_onto_its_own_input_is_refused_and_keeps_it(meta_csv):
+    before = Path(meta_csv).read_bytes()
+    with pytest.raises(UserError, match="is the input CSV"):
+        filter_metadata(meta_csv, meta_csv, max_frames=4)
+    assert Path(meta_csv).read_bytes() == before
 
 
 def _one_line_user_error(call, match):

@@ -7,7 +7,7 @@ import av
 import numpy as np
 import pytest
 
-from clipgen import encode_h264, moving_frames, size_change_mp4
+from clipgen import damage_outside, encode_h264, moving_frames, size_change_mp4
 from videodit.data import video
 from videodit.data.video import (IMAGE_FPS, VideoReadError, probe_video, read_video,
                                  write_video)
@@ -163,12 +163,21 @@ def _windows(total, rng, count=25):
     return picks
 
 
+@pytest.fixture(params=["packets kept", "seek"])
+def window_path(request, monkeypatch):
+    """Files up to a size are decoded from the packets read while indexing them; bigger
+    ones are read again after a seek. Setting the limit to 0 makes every file 'big'."""
+    if request.param == "seek":
+        monkeypatch.setattr(video, "_KEEP_PACKET_BYTES", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("keyint, pts", [
-    (4, None),            # small GOP: many keyframes to seek to
+    (4, None),            # small GOP: many keyframes to start from
     (1000, None),         # one keyframe: decode from the start, stop after the window
     (10, "variable"),     # variable frame rate: frame numbers cannot come from time
 ])
-def test_indices_give_exactly_the_frames_of_a_full_decode(tmp_path, keyint, pts):
+def test_indices_give_exactly_the_frames_of_a_full_decode(tmp_path, keyint, pts, window_path):
     total = 120
     rng = np.random.default_rng(keyint)
     if pts == "variable":
@@ -186,51 +195,15 @@ def test_indices_give_exactly_the_frames_of_a_full_decode(tmp_path, keyint, pts)
     np.testing.assert_array_equal(got, full[[total - 1, 0]])
 
 
-class _PacketSpy:
-    """Wraps av.open to count the packets read after each seek."""
-
-    def __init__(self, monkeypatch):
-        self.after_seek: list[int] = []
-        real_open = av.open
-
-        def spy_open(*args, **kwargs):
-            return _SpiedContainer(real_open(*args, **kwargs), self.after_seek)
-
-        monkeypatch.setattr(av, "open", spy_open)
-
-
-class _SpiedContainer:
-    def __init__(self, container, after_seek):
-        self._container, self._after_seek, self._seeked = container, after_seek, False
-
-    def __getattr__(self, name):
-        return getattr(self._container, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return self._container.__exit__(*exc)
-
-    def seek(self, *args, **kwargs):
-        self._seeked = True
-        self._after_seek.append(0)
-        return self._container.seek(*args, **kwargs)
-
-    def demux(self, *args, **kwargs):
-        for packet in self._container.demux(*args, **kwargs):
-            if self._seeked:
-                self._after_seek[-1] += 1
-            yield packet
-
-
-def test_a_window_decodes_from_the_keyframe_before_it_and_stops_after_it(tmp_path, monkeypatch):
-    path = tmp_path / "clip.mp4"
-    encode_h264(path, moving_frames(200, 32, 48), keyint=8, bframes=0)
-    spy = _PacketSpy(monkeypatch)
-    read_video(path, indices=[150, 151, 152], threaded=False)   # frame threads would read ahead
-    # Frame 150 follows the keyframe at 144: packets 144..152, not the 200 of the clip.
-    assert spy.after_seek == [152 - 144 + 1]
+def test_a_window_decodes_only_from_the_keyframe_before_it_to_its_last_frame(tmp_path, window_path):
+    pristine, damaged = tmp_path / "pristine.mp4", tmp_path / "damaged.mp4"
+    encode_h264(pristine, moving_frames(64, 32, 48), keyint=8, bframes=0)
+    damage_outside(pristine, damaged, keep=range(40, 45))   # keyframe 40 .. frame 44 intact
+    with pytest.raises(VideoReadError, match="decoding failed"):
+        read_video(damaged)
+    # Frames 41..44 need packets 40..44 only (threaded=False: frame threads would read ahead).
+    got, _ = read_video(damaged, indices=[41, 42, 44, 44], threaded=False)
+    np.testing.assert_array_equal(got, read_video(pristine)[0][[41, 42, 44, 44]])
 
 
 def test_a_window_holds_only_its_frames_in_memory(tmp_path):

@@ -92,9 +92,9 @@ class DataConfig:
     bucket_config_file: Optional[str] = opt(None, "read bucket_config from an Open-Sora .py config "
                                             "(never executed) or a YAML file")
     bad_rows: str = opt("skip", "invalid CSV rows: skip them (counted) or error", choices=("skip", "error"))
-    metadata_cache: str = opt("auto", "folder for the memory-mapped copy of data.csv that the ranks of a node "
-                              "share: auto (~/.cache/videodit/metadata, for files of 64 MiB or more), off, "
-                              "or a folder")
+    metadata_cache: Optional[str] = opt("auto", "folder for the checked, memory-mapped copy of data.csv that "
+                                        "the ranks of a node share: auto (~/.cache/videodit/metadata, for files "
+                                        "of 64 MiB or more), a folder, or null (each process reads its own)")
     max_bad_fraction: float = opt(0.05, "stop when more than this fraction of file reads fail",
                                   min=0.0, max=1.0)
     on_change: str = opt("error", "on resume with a changed dataset or bucket config: error or "

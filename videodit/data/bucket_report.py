@@ -13,7 +13,8 @@ def bucket_report(plan: BucketPlan, *, dp_size: int = 1, epoch: int = 0) -> dict
     """Samples and batches per (resolution, num_frames), drops by reason, steps per epoch."""
     assignment = plan.assignment(epoch)
     sampler = BucketBatchSampler(plan.assign, [b.batch_size for b in plan.buckets], seed=plan.seed,
-                                 dp_size=dp_size, fingerprint=plan.fingerprint)
+                                 dp_size=dp_size, fingerprint=plan.fingerprint, share=plan.meta.shared,
+                                 share_key=plan.assign_key)
     epoch_plan = sampler.global_batches(epoch)
     batches_per_bucket = np.bincount(epoch_plan.bucket, minlength=len(plan.buckets))
     counts = assignment.bucket_counts()

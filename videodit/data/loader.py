@@ -33,7 +33,8 @@ def build_training_data(data: DataConfig, *, batch_size: int, seed: int, dp_rank
     dataset = VideoDataset(meta, plan, data.frame_interval, seed=seed)
     sampler = BucketBatchSampler(plan.assign, [b.batch_size for b in plan.buckets], seed=seed,
                                  dp_rank=dp_rank, dp_size=dp_size, fingerprint=plan.fingerprint,
-                                 legacy_fingerprint=plan.legacy_fingerprint)
+                                 legacy_fingerprint=plan.legacy_fingerprint, share=meta.shared,
+                                 share_key=plan.assign_key)
     if sampler.steps_in_epoch(0) == 0:
         counts = plan.assignment(0).bucket_counts()
         raise UserError(f"no full batch in epoch 0: {len(meta)} samples, {int(counts.sum())} in buckets, "

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -35,6 +36,7 @@ import numpy as np
 from videodit.errors import UserError
 
 AssignFn = Callable[[int], np.ndarray]   # epoch -> bucket per sample (-1 = dropped)
+_CODE = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()   # shared plans of other code are not used
 
 
 class EpochPlan(Sequence):
@@ -47,6 +49,9 @@ class EpochPlan(Sequence):
 
     def __init__(self, members: np.ndarray, start: np.ndarray, size: np.ndarray, bucket: np.ndarray):
         self.members, self.start, self.size, self.bucket = members, start, size, bucket
+
+    def arrays(self) -> dict:
+        return {"members": self.members, "start": self.start, "size": self.size, "bucket": self.bucket}
 
     def __len__(self) -> int:
         return len(self.start)
@@ -64,13 +69,13 @@ def make_epoch_plan(buckets: np.ndarray, batch_sizes: Sequence[int], seed: int, 
     batches come out (``tests/data/test_sampler.py`` holds that loop as the reference)."""
     buckets = np.asarray(buckets)
     rng = np.random.default_rng([seed, epoch])
-    kept = np.flatnonzero(buckets >= 0)
-    small = np.int16 if len(batch_sizes) < 2**15 else np.int32   # int16 sorts by radix: O(n)
-    grouped = kept[np.argsort(buckets[kept].astype(small), kind="stable")]   # by bucket, then index
-    counts = np.bincount(buckets[kept], minlength=len(batch_sizes)) if len(kept) else np.zeros(0, np.int64)
+    ids = buckets.astype(np.int16 if len(batch_sizes) < 2**15 else np.int32)   # int16 sorts by radix: O(n)
+    grouped = np.argsort(ids, kind="stable")   # dropped (-1) first, then by bucket, each by index
+    edges = np.searchsorted(ids[grouped], np.arange(-1, len(batch_sizes) + 1, dtype=ids.dtype))
+    counts, lo = np.diff(edges)[1:], int(edges[1])
+    del ids
     index = np.int32 if len(buckets) < 2**31 else np.int64
-    members, starts, sizes, ids = [], [], [], []
-    lo = done = 0
+    members, starts, sizes, ids, done = [], [], [], [], 0
     for bucket in np.flatnonzero(counts):
         count, size = int(counts[bucket]), batch_sizes[bucket]
         group = grouped[lo : lo + count][rng.permutation(count)]
@@ -87,9 +92,13 @@ def make_epoch_plan(buckets: np.ndarray, batch_sizes: Sequence[int], seed: int, 
 
 
 class BucketBatchSampler:
+    """``share(name, build)`` (``Metadata.shared``), when given, makes each epoch's plan once per
+    node and maps it on every rank; ``share_key`` names the assignment it comes from."""
+
     def __init__(self, assign: AssignFn, batch_sizes: Sequence[int], *, seed: int = 0,
                  dp_rank: int = 0, dp_size: int = 1, fingerprint: str = "",
-                 legacy_fingerprint: Callable[[], str] | None = None):
+                 legacy_fingerprint: Callable[[], str] | None = None,
+                 share: Callable[[str, Callable[[], dict]], dict] | None = None, share_key: str = ""):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} outside dp_size={dp_size}")
         self.assign = assign
@@ -99,6 +108,7 @@ class BucketBatchSampler:
         self.dp_size = dp_size
         self.fingerprint = fingerprint
         self.legacy_fingerprint = legacy_fingerprint
+        self.share, self.share_key = share, share_key
         self.epoch = 0
         self.offset = 0            # global batches of ``epoch`` already consumed
         self._plan: tuple[int, EpochPlan] | None = None
@@ -109,7 +119,12 @@ class BucketBatchSampler:
         """All (bucket, sample indices) batches of ``epoch`` in global order (cached)."""
         if self._plan is None or self._plan[0] != epoch:
             self._plan = None   # free the old plan first
-            self._plan = (epoch, make_epoch_plan(self.assign(epoch), self.batch_sizes, self.seed, epoch))
+            make = lambda: make_epoch_plan(self.assign(epoch), self.batch_sizes, self.seed, epoch)
+            if self.share is None:
+                self._plan = (epoch, make())
+            else:
+                key = fingerprint(self.share_key, self.seed, self.batch_sizes, _CODE)
+                self._plan = (epoch, EpochPlan(**self.share(f"plan-{key}-epoch{epoch}", lambda: make().arrays())))
         return self._plan[1]
 
     def steps_in_epoch(self, epoch: int, offset: int = 0) -> int:

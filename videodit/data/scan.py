@@ -57,7 +57,7 @@ import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
-from videodit.data.metadata import REQUIRED_COLUMNS, Source, TableWriter, write_csv
+from videodit.data.metadata import REQUIRED_COLUMNS, Source, table_writer, write_csv
 from videodit.data.video import (IMAGE_SUFFIXES, VIDEO_SUFFIXES, VideoReadError, is_image_path, probe_video)
 from videodit.errors import UserError
 
@@ -452,7 +452,7 @@ def filter_metadata(in_csv: str, out_csv: str, min_frames: int | None = None,
     source = Source(Path(in_csv))
     dropped_by = dict.fromkeys(FILTER_REASONS, 0)
     invalid, rows, kept = [], 0, 0
-    with TableWriter(out_csv, source.schema) as writer:
+    with table_writer(out_csv, source.schema) as writer:
         for chunk in source.chunks(progress):   # block by block: memory stays flat on any file size
             invalid += chunk.bad
             rows += chunk.rows.num_rows + len(chunk.bad)

@@ -255,6 +255,10 @@ def _write_image(tmp: Path, rgb: np.ndarray, suffix: str) -> None:
 # frames, ...) are always decoded whole.
 _TABLE_CODECS = frozenset({"h264", "hevc", "av1", "vp9", "mpeg4", "mjpeg"})
 
+# Packets of files up to this size are kept from the table pass and decoded from memory;
+# larger files are read again from the keyframe after a seek.
+_KEEP_PACKET_BYTES = 32 * 2**20
+
 Indices = Union[Sequence[int], np.ndarray, Callable[[int], Sequence[int]]]
 
 
@@ -353,11 +357,12 @@ class _PacketTable:
 
     ``pts``/``keyframe``/``shown`` are in decode order; ``shown`` is False for packets
     the demuxer marks as discarded (decoded for reference, never output). Frame ``i`` of
-    a full decode is the shown packet with the ``i``-th smallest pts.
+    a full decode is the shown packet with the ``i``-th smallest pts. ``packets`` keeps
+    the packets themselves when they are small enough, so decoding needs no second read.
     """
 
-    def __init__(self, pts: np.ndarray, keyframe: np.ndarray, shown: np.ndarray):
-        self.pts, self.keyframe, self.shown = pts, keyframe, shown
+    def __init__(self, pts: np.ndarray, keyframe: np.ndarray, shown: np.ndarray, packets: list | None):
+        self.pts, self.keyframe, self.shown, self.packets = pts, keyframe, shown, packets
         self.frame_pts = np.sort(pts[shown])
         self.num_frames = len(self.frame_pts)
 
@@ -381,6 +386,7 @@ class _PacketTable:
 def _packet_table(path, container, stream) -> _PacketTable | None:
     """The stream's packet table, or None when timestamps cannot number its frames."""
     pts, keyframe, shown = [], [], []
+    packets, kept_bytes = [], 0
     try:
         for packet in container.demux(stream):
             if packet.size == 0:   # the end-of-stream flush packet
@@ -390,6 +396,12 @@ def _packet_table(path, container, stream) -> _PacketTable | None:
             pts.append(packet.pts)
             keyframe.append(packet.is_keyframe)
             shown.append(not packet.is_discard)
+            if packets is not None:
+                kept_bytes += packet.size
+                if kept_bytes > _KEEP_PACKET_BYTES:
+                    packets = None   # a big file: seek and read it again rather than hold it
+                else:
+                    packets.append(packet)
     except av.FFmpegError as exc:
         raise VideoReadError(path, f"reading packets failed after {len(pts)}: {exc}") from exc
     pts_array = np.asarray(pts, dtype=np.int64)
@@ -397,7 +409,7 @@ def _packet_table(path, container, stream) -> _PacketTable | None:
     # a full decode tells. Equal timestamps would make frame numbers ambiguous.
     if (stream.frames and stream.frames != len(pts)) or len(np.unique(pts_array)) != len(pts_array):
         return None
-    return _PacketTable(pts_array, np.asarray(keyframe, dtype=bool), np.asarray(shown, dtype=bool))
+    return _PacketTable(pts_array, np.asarray(keyframe, dtype=bool), np.asarray(shown, dtype=bool), packets)
 
 
 def _read_window(path, indices: Indices, threaded: bool) -> tuple[np.ndarray, float] | None:
@@ -439,24 +451,30 @@ def _decode_frames(path, container, stream, table: _PacketTable, wanted: np.ndar
     last = max(slots)
     start_packet, expected = table.start(min(slots))
     frame_number = {pts: i for i, pts in enumerate(table.frame_pts.tolist())}
-    decoded = 0
     try:
         for frame in _decode_from(container, stream, table, start_packet):
             if frame_number.get(frame.pts) != expected:
                 raise _Mismatch
-            if expected in slots:
-                out[slots[expected]] = convert(frame)
+            positions = slots.get(expected)
+            if positions:
+                out[positions[0]] = convert(frame)
+                for position in positions[1:]:
+                    out[position] = out[positions[0]]
                 if expected == last:
                     return out   # stop: nothing later is needed
             expected += 1
-            decoded += 1
     except av.FFmpegError as exc:
-        raise VideoReadError(path, f"decoding failed after {decoded} frames of the window: {exc}") from exc
+        raise _Mismatch from exc   # let a full decode say how far the file really decodes
     raise _Mismatch   # the stream ended before the last wanted frame
 
 
 def _decode_from(container, stream, table: _PacketTable, start_packet: int) -> Iterator[av.VideoFrame]:
     """Frames decoded from the packet at decode position ``start_packet`` onwards."""
+    if table.packets is not None:
+        for packet in table.packets[start_packet:]:
+            yield from stream.decode(packet)
+        yield from stream.decode(None)   # flush the frames the decoder still holds
+        return
     position = {pts: i for i, pts in enumerate(table.pts.tolist())}
     try:
         container.seek(int(table.pts[start_packet]), stream=stream, backward=True, any_frame=False)

@@ -43,11 +43,12 @@ class CompileOptions:
     dynamic: str = "auto"          # auto, dynamic or static (see the module docstring)
     fullgraph: bool = True         # a graph break inside a block is a bug here: fail loudly
 
-    def resolved(self, shapes: int) -> "CompileOptions":
-        """``auto`` decided for data with ``shapes`` distinct bucket shapes."""
+    def resolved(self, shapes: int, dynamic_ok: bool = True) -> "CompileOptions":
+        """``auto`` decided for data with ``shapes`` distinct bucket shapes; static where
+        dynamic shapes cannot be traced (``dynamic_ok`` false: tensor parallelism)."""
         if self.dynamic != "auto":
             return self
-        return dataclasses.replace(self, dynamic="dynamic" if shapes > 1 else "static")
+        return dataclasses.replace(self, dynamic="dynamic" if shapes > 1 and dynamic_ok else "static")
 
 
 @dataclass
@@ -116,7 +117,8 @@ def compile_block(block: nn.Module, options: CompileOptions, stats: CompileStats
 
 def apply_compile(model: nn.Module, options: CompileOptions, *, shapes: int = 1) -> CompileStats:
     """Compile every block of ``model.blocks`` (a whole model or a pipeline stage) in place.
-    ``shapes``: how many distinct bucket shapes the data has (decides ``auto``)."""
+    ``shapes``: how many distinct bucket shapes the data has (decides ``auto`` if
+    ``options`` is not resolved yet, and how many graphs Dynamo must be allowed to keep)."""
     if options.backend not in BACKENDS:
         raise UserError(f"train.compile_backend={options.backend!r} is not one of {', '.join(BACKENDS)}")
     options = options.resolved(shapes)

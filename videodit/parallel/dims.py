@@ -112,8 +112,15 @@ class ParallelDims:
                             f"parallel.pp={self.pp}; valid: {', '.join(str(self.pp * k) for k in range(1, 5))}, ...")
         return per_rank, microbatches
 
-    def check_compile(self, *, offload: bool) -> None:
-        """Raise a UserError for a layout ``train.compile`` does not support."""
+    def check_compile(self, dynamic: str) -> None:
+        """Raise a UserError for what ``train.compile`` cannot do with this layout. Compiled
+        blocks compose with checkpointing, DDP, FSDP2/HSDP, SP and PP; tensor-parallel blocks
+        (DTensor) compile with static shapes only: tracing them with dynamic shapes recurses
+        without end in AOTAutograd (torch 2.13), so ``auto`` is static under TP."""
+        if self.tp > 1 and dynamic == "dynamic":
+            raise UserError(f"train.compile_dynamic=dynamic with parallel.tp={self.tp} is not supported: torch "
+                            "cannot trace tensor-parallel (DTensor) blocks with dynamic shapes; use "
+                            "train.compile_dynamic=static or auto (one graph per bucket shape under TP)")
 
     # ------------------------------------------------------------------ derived sizes
 

@@ -123,8 +123,10 @@ def parallelize(model: STDiT, ctx: DistContext, cfg: ParallelConfig, *, memory: 
     positions per frame, caption tokens) after patching: the data's base bucket. ``compile``:
     compile every block (``parallel/compile.py``); refused combinations fail here, first."""
     dims = ctx.dims
+    shapes = len(bucket_batch_sizes or {}) or 1
     if compile is not None:
-        dims.check_compile(offload=memory.offload)
+        dims.check_compile(compile.dynamic)
+        compile = compile.resolved(shapes, dynamic_ok=dims.tp == 1)
     pipeline, stages = None, [model]
     if dims.pp > 1:
         check_microbatches(bucket_batch_sizes or {}, ctx.pp_microbatches)
@@ -142,7 +144,7 @@ def parallelize(model: STDiT, ctx: DistContext, cfg: ParallelConfig, *, memory: 
     chosen = apply_activation_checkpointing(model, memory)
     stats = None
     if compile is not None:   # torchtitan's place: after TP, SP and checkpointing, before FSDP
-        stats = apply_compile(model, compile, shapes=len(bucket_batch_sizes or {}) or 1)
+        stats = apply_compile(model, compile, shapes=shapes)
     apply_saved_tensor_levers(model, memory, chosen)
     module = model
     if dims.data_parallel in ("fsdp", "hsdp"):

@@ -62,6 +62,7 @@ class Trainer:
         self.is_main = self.ctx.is_main
         seed_everything(tc.seed)   # the same on every rank: identical initial weights
         self.device = self.ctx.device
+        self._cuda_settings()
         use_bf16 = tc.precision == "bf16" or (tc.precision == "auto" and self.device.type == "cuda")
 
         # Data first: a bad CSV should fail before any model is built.
@@ -89,8 +90,12 @@ class Trainer:
         # a pipeline stage keeps its parts).
         self.model = self.parallel.local_model
         self.ema = EMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=tc.lr, betas=tuple(tc.betas),
-                                           weight_decay=tc.weight_decay)
+        # On GPUs the fused kernel updates every parameter in a few launches (FSDP2/TP DTensors too);
+        # parameters kept on the host (parallel.cpu_offload) and CPU runs keep the default.
+        params = list(self.model.parameters())
+        fused = bool(params) and all(p.device.type == "cuda" for p in params)
+        self.optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay,
+                                           fused=True if fused else None)
         warmup = max(tc.warmup_steps, 1)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
         self.state = TrainState(self.parallel, self.optimizer, self.scheduler, self.ema, self.sampler)
@@ -276,6 +281,15 @@ class Trainer:
             speed["mfu"] = _significant(speed["tflops"] / peak)
         speed.update(self.parallel.compile_metrics())   # {"recompiles": n} under train.compile
         return speed
+
+    def _cuda_settings(self) -> None:
+        """GPU fast paths that need no option: TF32 tensor cores for fp32 matmuls (what bf16
+        autocast leaves in fp32, and precision=fp32 runs), and no cuDNN autotuning, which would
+        re-benchmark every new bucket shape (the patch-embedding Conv3d)."""
+        if self.device.type == "cuda":
+            torch.set_float32_matmul_precision("high")
+            torch.backends.cudnn.allow_tf32 = True
+            torch.backends.cudnn.benchmark = False
 
     def _base_grid(self, model) -> tuple[int, int, int]:
         """(latent frames, positions per frame, caption tokens) after patching, at the data's

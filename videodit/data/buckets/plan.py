@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import hashlib
 from itertools import islice
+from pathlib import Path
 
 import numpy as np
 
+import videodit.data.buckets.assign as assign
+import videodit.data.buckets.hashing as hashing
+import videodit.data.buckets.tables as tables
 from videodit.config import DataConfig
 from videodit.data.buckets.assign import Assignment, Bucket, assign_buckets, build_buckets
 from videodit.data.buckets.config import parse_bucket_config, resolve_bucket_config
@@ -44,12 +48,15 @@ class BucketPlan:
         # of the row-by-row reader, which ``legacy_fingerprint`` recomputes.
         root = str(meta.root) if meta.has_relative_paths else ""
         self.fingerprint = "m2-" + fingerprint(meta.digest, root, self._config_repr, data.frame_interval)
-        self._assign_key = fingerprint(self._config_repr, seed, data.frame_interval)
+        # Cached assignments are keyed by the config and by the code that assigns (changed rules
+        # assign again).
+        code = [Path(module.__file__).read_bytes() for module in (assign, hashing, tables)]
+        self.assign_key = fingerprint(self._config_repr, seed, data.frame_interval, *code)
 
     def assignment(self, epoch: int) -> Assignment:
         if self._cached is None or self._cached[0] != epoch:
             self._cached = None
-            arrays = self.meta.shared(f"buckets-{self._assign_key}-epoch{epoch}", lambda: self._assign(epoch))
+            arrays = self.meta.shared(f"buckets-{self.assign_key}-epoch{epoch}", lambda: self._assign(epoch))
             self._cached = (epoch, Assignment(arrays["bucket"], arrays["reason"], self.buckets))
         return self._cached[1]
 
@@ -60,6 +67,9 @@ class BucketPlan:
         result = assign_buckets(self.meta.num_frames, self.meta.heights, self.meta.widths, self.config,
                                 seed=self.seed, epoch=epoch, frame_interval=self.frame_interval)
         return {"bucket": result.bucket, "reason": result.reason}
+
+    def __getstate__(self):   # DataLoader workers map the assignment again rather than copy it
+        return {**self.__dict__, "_cached": None}
 
     def assign(self, epoch: int) -> np.ndarray:
         return self.assignment(epoch).bucket

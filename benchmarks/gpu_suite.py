@@ -1,0 +1,707 @@
+"""The GPU measurements, in one command: run it on a machine with a GPU, read the section it
+appends to benchmarks/RESULTS.md.
+
+    python benchmarks/gpu_suite.py                      # everything, about 5-10 minutes
+    python benchmarks/gpu_suite.py --sections mfu,sdpa  # some of it
+    python benchmarks/gpu_suite.py --dry-run            # CPU, tiny shapes, fp32: every code path, no figures
+
+Needs nothing but this repository and its installed dependencies: no internet, no pip, no
+pretrained weights. The workload is the XL preset with Open-Sora 1.2's geometry (28 block
+pairs, hidden 1152, 16 heads, patch (1, 2, 2), captions of 300 tokens x 4096 channels,
+4-channel latents at 1/8 of the pixels and 17 frames -> 5 latent frames), random weights,
+random latents and random caption embeddings fed straight to the model (no VAE, no T5).
+Every step runs what the Trainer runs: ``parallel.parallelize`` (activation checkpointing,
+compile, memory levers, FSDP2/TP/SP/PP), the rectified-flow loss, gradient clipping and
+AdamW (fused on CUDA).
+
+Sections (``--sections``, default all):
+
+* ``mfu``: model TFLOP/s per GPU and MFU at 240p x 51 and 360p x 51 frames, bf16, full
+  activation checkpointing, compile off and on. Model FLOPs from ``models.flops.
+  train_step_flops`` (no recompute), the peak from ``train.metrics.peak_tflops``
+  (``--peak-tflops`` for a GPU not in its table); HFU counts the recompute too.
+* ``sdpa``: which SDPA kernel each attention kind gets (spatial and temporal self-attention
+  are unmasked; cross-attention has the caption mask), and each kernel's forward+backward
+  time when forced.
+* ``fastpaths``: the Trainer's fixed GPU settings: AdamW fused against foreach (one
+  optimizer step over the XL parameters) and TF32 against full fp32 matmuls.
+* ``planner``: ``videodit.planner``'s predicted peak against ``torch.cuda.max_memory_allocated``
+  for five buckets (batch: the planner's largest that fits, at most ``--max-batch``).
+* ``levers``: peak memory and step time of the activation levers (checkpointing, bf16/fp8
+  compression, host offload) at 240p x 51, batch 1, no compile.
+* ``parallel``: with more than one GPU, step time and MFU of FSDP, SP, TP and PP over all
+  GPUs (torchrun, one launch per layout).
+
+What could not be measured (no GPU, one GPU, out of memory, a failure, the time budget) is
+listed in the section's last table instead of silently missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from videodit.config import MemoryConfig, load_config  # noqa: E402
+from videodit.components import model_geometry  # noqa: E402
+from videodit.diffusion.rectified_flow import RectifiedFlow  # noqa: E402
+from videodit.models.flops import train_step_flops  # noqa: E402
+from videodit.models.stdit import STDiT, count_parameters  # noqa: E402
+from videodit.parallel.compile import CompileOptions  # noqa: E402
+from videodit.parallel.distributed import init_distributed  # noqa: E402
+from videodit.parallel.parallelize import parallelize  # noqa: E402
+from videodit.planner.estimate import Parallel  # noqa: E402
+from videodit.planner.measure import LiveMemory, optimizer_bytes, tensor_bytes  # noqa: E402
+from videodit.planner.plan import LatentGeometry, Planner  # noqa: E402
+from videodit.train.metrics import peak_tflops  # noqa: E402
+
+GiB = 2**30
+SECTIONS = ("mfu", "sdpa", "fastpaths", "planner", "levers", "parallel")
+LEVERS = {   # name -> memory.* overrides (the levers act on blocks that are not checkpointed)
+    "none": {},
+    "checkpoint full": {"memory.checkpointing": "full"},
+    "checkpoint selective": {"memory.checkpointing": "selective"},
+    "compression bf16": {"memory.compression": "bf16"},
+    "compression fp8": {"memory.compression": "fp8"},
+    "offload": {"memory.offload": True},
+    "offload + fp8": {"memory.offload": True, "memory.compression": "fp8"},
+}
+
+
+# --------------------------------------------------------------------------- the workload
+
+
+@dataclass(frozen=True)
+class Shape:
+    label: str
+    height: int       # pixels
+    width: int
+    frames: int
+
+
+@dataclass
+class Workload:
+    """What the suite runs: the XL workload on a GPU, or its tiny CPU stand-in (``--dry-run``)."""
+    dry: bool
+    device: torch.device
+    model: list[str]               # config overrides of the model
+    caption: tuple[int, int]       # channels, tokens
+    latent: LatentGeometry
+    mfu_shapes: list[Shape]
+    plan_shapes: list[Shape]
+    lever_shape: Shape
+    steps: int
+    warmup: int
+    backend: str                   # compile backend
+    bf16: bool
+
+    @property
+    def overrides(self) -> list[str]:
+        return [*self.model, f"text.max_length={self.caption[1]}", f"train.device={self.device.type}",
+                f"train.precision={'bf16' if self.bf16 else 'fp32'}", "train.ema_decay=0"]
+
+    def config(self, extra=()):
+        return load_config("tiny", [*self.overrides, *extra])
+
+    def geometry(self, cfg=None):
+        return model_geometry(cfg or self.config(), self.latent.channels, self.caption[0])
+
+    def latent_shape(self, shape: Shape) -> tuple[int, int, int]:
+        s = self.latent.spatial
+        return self.latent.frames(shape.frames), shape.height // s, shape.width // s
+
+
+def xl_workload(args) -> Workload:
+    return Workload(
+        dry=False, device=torch.device("cuda"),
+        model=["model.preset=XL", "model.temporal_pos_embed=false", "model.pooled_caption=false"],
+        caption=(4096, 300), latent=LatentGeometry.parse("opensora-v1.2"),
+        mfu_shapes=[Shape("240p", 240, 426, 51), Shape("360p", 360, 640, 51)],
+        plan_shapes=[Shape("144p", 144, 256, 51), Shape("240p", 240, 426, 51), Shape("240p", 240, 426, 102),
+                     Shape("360p", 360, 640, 51), Shape("480p", 480, 854, 51)],
+        lever_shape=Shape("240p", 240, 426, 51), steps=args.steps, warmup=3, backend="inductor", bf16=True)
+
+
+def dry_workload(args) -> Workload:
+    return Workload(
+        dry=True, device=torch.device("cpu"),
+        model=["model.preset=tiny", "model.depth=1", "model.hidden_size=32", "model.num_heads=4",
+               "model.patch_size=[1,2,2]", "model.temporal_pos_embed=false", "model.pooled_caption=false"],
+        caption=(16, 8), latent=LatentGeometry.parse("opensora-v1.2"),
+        mfu_shapes=[Shape("32x48", 32, 48, 17), Shape("48x64", 48, 64, 17)],
+        plan_shapes=[Shape("32x32", 32, 32, 17), Shape("32x48", 32, 48, 17), Shape("32x48", 32, 48, 34),
+                     Shape("48x64", 48, 64, 17), Shape("64x64", 64, 64, 17)],
+        lever_shape=Shape("32x48", 32, 48, 17), steps=2, warmup=1, backend="eager", bf16=False)
+
+
+# --------------------------------------------------------------------------- one training step
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    torch._dynamo.reset()   # compiled graphs hold on to the blocks they were traced from
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class Step:
+    """A model with its layout, levers and compile applied exactly as the Trainer does, its
+    AdamW, and one batch of random latents and captions."""
+
+    def __init__(self, w: Workload, cfg, ctx, shape: Shape, batch: int, compile: CompileOptions | None = None,
+                 seed: int = 0, shapes: int = 1):
+        self.w, self.device, self.batch, self.shape = w, ctx.device, batch, shape
+        self.geometry = w.geometry(cfg)
+        torch.manual_seed(0)   # the same random weights on every rank
+        with torch.device(ctx.device):
+            model = STDiT(self.geometry)
+        self.num_params = count_parameters(model)
+        self.flow = RectifiedFlow(cfg.diffusion)
+        frames, height, width = w.latent_shape(shape)
+        pt, ph, pw = self.geometry.patch_size
+        grid = (-(-frames // pt), -(-height // ph) * -(-width // pw), w.caption[1])
+        self.parallel = parallelize(model, ctx, cfg.parallel, memory=cfg.memory, loss_fn=self.flow.loss,
+                                    autocast_dtype=torch.bfloat16 if w.bf16 else None,
+                                    bucket_batch_sizes={f"b{i}": batch for i in range(shapes)}, base_grid=grid,
+                                    compile=compile)
+        params = list(self.parallel.local_model.parameters())
+        fused = bool(params) and all(p.device.type == "cuda" for p in params)
+        self.optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True if fused else None)
+        self.inputs, self.target = self.make_inputs(seed, frames, height, width)
+        self.flops = train_step_flops(self.geometry, batch, frames, height, width, w.caption[1], cfg.memory)
+
+    def make_inputs(self, seed: int, frames: int, height: int, width: int):
+        g = torch.Generator().manual_seed(seed)
+        b, (channels, length) = self.batch, self.w.caption
+        x0 = torch.randn(b, self.geometry.in_channels, frames, height, width, generator=g)
+        noise = torch.randn(x0.shape, generator=g)
+        t = torch.rand(b, generator=g)
+        y = torch.randn(b, length, channels, generator=g)
+        y_mask = torch.arange(length)[None] < torch.randint(1, length + 1, (b, 1), generator=g)
+        x_t = self.flow.interpolate(x0, noise, t)
+        inputs = tuple(v.to(self.device) for v in (x_t, t, y, y_mask, torch.full((b,), 24.0),
+                                                     torch.zeros(b, dtype=torch.bool)))
+        return inputs, self.flow.velocity_target(x0, noise).to(self.device)
+
+    def __call__(self) -> None:
+        self.parallel.forward_backward(self.inputs, self.target, scale=1.0, sync=True)
+        self.parallel.clip_gradients(1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def timed(self, warmup: int, steps: int, barrier=None) -> tuple[float, float]:
+        """(first step s, median step s): the first includes compiling."""
+        times = []
+        for _ in range(warmup + steps):
+            sync(self.device)
+            if barrier:
+                barrier()
+            start = time.perf_counter()
+            self()
+            sync(self.device)
+            times.append(time.perf_counter() - start)
+        return times[0], statistics.median(times[warmup:])
+
+    def state_bytes(self) -> int:
+        params = list(self.parallel.local_model.parameters())
+        return tensor_bytes(params) + tensor_bytes(p.grad for p in params) + optimizer_bytes(self.optimizer)
+
+    def peak_bytes(self) -> int:
+        """The most memory one step (after the first, which creates the optimizer state) holds:
+        ``max_memory_allocated`` on CUDA; on CPU the state plus what LiveMemory saw."""
+        self()
+        sync(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            self()
+            sync(self.device)
+            return torch.cuda.max_memory_allocated()
+        with LiveMemory() as tracker:
+            self()
+        return self.state_bytes() + tracker.peak
+
+
+def single_context(w: Workload, cfg):
+    """The one-process DistContext the Trainer would have."""
+    return init_distributed(cfg)
+
+
+# --------------------------------------------------------------------------- report
+
+
+@dataclass
+class Report:
+    w: Workload
+    tables: list[str] = field(default_factory=list)
+    missing: list[tuple[str, str]] = field(default_factory=list)    # (what, why)
+
+    def table(self, title: str, header: list[str], rows: list[list], note: str = "") -> None:
+        lines = [f"### {title}", ""]
+        if note:
+            lines += [note, ""]
+        lines += ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i == 0 else "---:"
+                                                                for i in range(len(header))) + "|"]
+        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+        self.tables.append("\n".join(lines))
+        print("\n" + self.tables[-1], flush=True)
+
+    def skip(self, what: str, why: str) -> None:
+        self.missing.append((what, why))
+        print(f"not measured: {what}: {why}", flush=True)
+
+    def markdown(self, args, elapsed: float) -> str:
+        w = self.w
+        if w.device.type == "cuda":
+            gpu = torch.cuda.get_device_name()
+            memory = torch.cuda.get_device_properties(0).total_memory / GiB
+            machine = (f"{torch.cuda.device_count()} x {gpu} ({memory:.0f} GiB), CUDA {torch.version.cuda}, "
+                       f"cuDNN {torch.backends.cudnn.version()}")
+        else:
+            machine = f"CPU ({os.cpu_count()} cores), no GPU"
+        title = "GPU suite" + (" -- DRY RUN (CPU, tiny shapes, fp32: exercises the code, measures nothing)"
+                               if w.dry else "")
+        head = [f"## {title} (`benchmarks/gpu_suite.py`), {date.today().isoformat()}", "",
+                "`python benchmarks/gpu_suite.py" + "".join(" " + a for a in args.argv) + "`",
+                "", f"Machine: {machine}; torch {torch.__version__}, Python {platform.python_version()}; "
+                f"{elapsed / 60:.1f} minutes."]
+        body = list(self.tables)
+        rows = [f"| {what} | {why} |" for what, why in self.missing] or ["| - | everything was measured |"]
+        body.append("\n".join(["### Not measured", "", "| what | why |", "|---|---|", *rows]))
+        return "\n\n".join(["\n".join(head), *body]) + "\n"
+
+
+def attempt(report: Report, what: str, fn):
+    """Run one measurement; an OOM or any failure becomes a 'not measured' line."""
+    try:
+        return fn()
+    except torch.cuda.OutOfMemoryError:
+        report.skip(what, "out of GPU memory")
+    except Exception as exc:   # noqa: BLE001 -- a failed measurement must not lose the others
+        traceback.print_exc()
+        report.skip(what, f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+    finally:
+        free_memory()
+    return None
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def section_mfu(w: Workload, report: Report, args) -> None:
+    peak = peak_tflops(torch.cuda.get_device_name() if w.device.type == "cuda" else None, args.peak_tflops)
+    if peak is None:
+        report.skip("MFU", "no peak TFLOP/s known for this device (pass --peak-tflops)")
+    rows = []
+    for compiled in (False, True):
+        for shape in w.mfu_shapes:
+            what = f"MFU {shape.label} x {shape.frames}, compile {'on' if compiled else 'off'}"
+            if report_out_of_time(report, what, args):
+                continue
+            cfg = w.config(["memory.checkpointing=full"])
+            options = CompileOptions(w.backend, "auto") if compiled else None
+            batch = args.batch or pick_batch(w, cfg, shape, args.max_batch)
+
+            def measure():
+                step = Step(w, cfg, single_context(w, cfg), shape, batch, options, shapes=len(w.mfu_shapes))
+                first, median = step.timed(w.warmup, w.steps)
+                tflops = step.flops.model / median / 1e12
+                return [shape.label + f" x {shape.frames}", batch, tokens(w, step.geometry, shape),
+                        "on" if compiled else "off", f"{median:.3f}", f"{first - median:.1f}",
+                        f"{step.flops.model / 1e12:.1f}", f"{tflops:.1f}",
+                        f"{tflops / peak:.1%}" if peak else "n/a",
+                        f"{step.flops.hardware / median / 1e12 / peak:.1%}" if peak else "n/a",
+                        step.parallel.compile_stats.compiles if compiled else "-"]
+            row = attempt(report, what, measure)
+            if row:
+                rows.append(row)
+    if rows:
+        report.table(
+            "MFU, XL (Open-Sora 1.2 geometry), bf16, full activation checkpointing" if not w.dry else "MFU (dry run)",
+            ["shape", "batch", "tokens/sample", "compile", "s/step", "first-step extra s", "model TFLOP/step",
+             "model TFLOP/s", "MFU", "HFU", "graphs"], rows,
+            note=f"{count_parameters_of(w) / 1e9:.2f} B parameters; median of {w.steps} steps after {w.warmup}; "
+                 f"peak {peak or 'unknown'} TFLOP/s; MFU = model FLOPs (no recompute) / s / peak, HFU adds the "
+                 "recomputed forward of full checkpointing and fused attention's backward recompute.")
+
+
+def tokens(w: Workload, geometry, shape: Shape) -> int:
+    frames, height, width = w.latent_shape(shape)
+    pt, ph, pw = geometry.patch_size
+    return -(-frames // pt) * -(-height // ph) * -(-width // pw)
+
+
+def count_parameters_of(w: Workload) -> int:
+    with torch.device("meta"):
+        return count_parameters(STDiT(w.geometry()))
+
+
+def planner_for(w: Workload, cfg) -> Planner:
+    gpu = torch.cuda.get_device_properties(0).total_memory if w.device.type == "cuda" else 8 * GiB
+    return Planner(w.geometry(cfg), Parallel(), w.bf16, cfg.memory, w.latent, w.caption[1], gpu, margin=0.1,
+                   ema=False)
+
+
+def pick_batch(w: Workload, cfg, shape: Shape, cap: int) -> int:
+    """The planner's largest batch that fits, at most ``cap`` (at least 1)."""
+    return max(1, min(cap, planner_for(w, cfg).max_batch(shape.frames, shape.height, shape.width)))
+
+
+def section_sdpa(w: Workload, report: Report, args) -> None:
+    """q, k, v as the model hands them to SDPA (under bf16 autocast SDPA runs in bf16) at the
+    first MFU shape, batch 1: which kernel runs, and each kernel's time when forced."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    if report_out_of_time(report, "SDPA kernels", args):
+        return
+    g = w.geometry()
+    frames, height, width = w.latent_shape(w.mfu_shapes[0])
+    pt, ph, pw = g.patch_size
+    t, s, heads, hd = -(-frames // pt), -(-height // ph) * -(-width // pw), g.num_heads, g.hidden_size // g.num_heads
+    dtype = torch.bfloat16 if w.bf16 else torch.float32
+    length = w.caption[1]
+    mask = (torch.arange(length, device=w.device) < length // 3)[None, None, None, :]
+    kinds = {"spatial (self, unmasked)": ((t, heads, s, hd), (t, heads, s, hd), None),
+             "temporal (self, unmasked)": ((s, heads, t, hd), (s, heads, t, hd), None),
+             "cross (caption mask)": ((1, heads, t * s, hd), (1, heads, length, hd), mask)}
+    backends = [b for b in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+                if hasattr(SDPBackend, b)]
+    rows = []
+    for kind, (q_shape, kv_shape, attn_mask) in kinds.items():
+        q = torch.randn(q_shape, device=w.device, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(kv_shape, device=w.device, dtype=dtype, requires_grad=True) for _ in range(2))
+
+        def run():
+            F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask).sum().backward()
+
+        run()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            run()
+        picked = sorted({e.name.replace("aten::", "") for e in prof.events()
+                         if "attention" in e.name and "backward" not in e.name
+                         and e.name != "aten::scaled_dot_product_attention"})
+        timing = []
+        for backend in backends:
+            def forced(backend=backend):
+                with sdpa_kernel(getattr(SDPBackend, backend)):
+                    run()
+                    sync(w.device)
+                    start = time.perf_counter()
+                    for _ in range(3):
+                        run()
+                    sync(w.device)
+                return f"{(time.perf_counter() - start) / 3 * 1e3:.2f}"
+            try:
+                timing.append(forced())
+            except RuntimeError:
+                timing.append("n/a")
+        rows.append([kind, f"{list(q_shape)} x {list(kv_shape)}", ", ".join(picked) or "?", *timing])
+        del q, k, v
+        free_memory()
+    report.table("SDPA kernel per attention kind", ["attention", "q x k/v shape", "default kernel",
+                                                     *[f"{b.lower()} ms" for b in backends]], rows,
+                 note=f"{dtype}, {w.mfu_shapes[0].label} x {w.mfu_shapes[0].frames}, batch 1; forward + backward; "
+                      "n/a: the kernel refuses these inputs.")
+
+
+def section_fastpaths(w: Workload, report: Report, args) -> None:
+    """AdamW fused vs foreach (and the for-loop) over the model's parameters with random
+    gradients; an fp32 matmul with TF32 allowed and not."""
+    if report_out_of_time(report, "fast paths", args):
+        return
+    rows = []
+    with torch.device(w.device):
+        model = STDiT(w.geometry())
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    for name, options in (("for-loop", dict(foreach=False)), ("foreach", dict(foreach=True)),
+                          ("fused", dict(fused=True))):
+        def measure(options=options):
+            optimizer = torch.optim.AdamW(params, lr=1e-5, **options)
+            optimizer.step()     # creates the state
+            sync(w.device)
+            start = time.perf_counter()
+            for _ in range(w.steps):
+                optimizer.step()
+            sync(w.device)
+            return (time.perf_counter() - start) / w.steps
+        seconds = attempt(report, f"AdamW {name}", measure)
+        if seconds is not None:
+            rows.append([f"AdamW step, {name}", f"{seconds * 1e3:.1f} ms"])
+    del model, params
+    free_memory()
+    if w.device.type == "cuda":
+        n = 8192
+        a, b = torch.randn(n, n, device=w.device), torch.randn(n, n, device=w.device)
+        before = torch.backends.cuda.matmul.allow_tf32
+        for tf32 in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            a @ b
+            sync(w.device)
+            start = time.perf_counter()
+            for _ in range(10):
+                a @ b
+            sync(w.device)
+            rows.append([f"fp32 matmul {n}^2, TF32 {'on' if tf32 else 'off'}",
+                         f"{2 * n**3 * 10 / (time.perf_counter() - start) / 1e12:.1f} TFLOP/s"])
+        torch.backends.cuda.matmul.allow_tf32 = before
+        del a, b
+    else:
+        report.skip("TF32 matmuls", "CUDA only")
+    report.table("Fast paths", ["what", "time or rate"], rows,
+                 note=f"{count_parameters_of(w) / 1e9:.2f} B parameters, fp32 AdamW state; the Trainer uses fused "
+                      "AdamW when every parameter is on a GPU, and TF32 for fp32 matmuls (torch.set_float32_matmul_"
+                      "precision('high')); cudnn.benchmark stays off (bucket shapes change).")
+
+
+def section_planner(w: Workload, report: Report, args) -> None:
+    cfg = w.config(["memory.checkpointing=full"])
+    planner = planner_for(w, cfg)
+    rows = []
+    for shape in w.plan_shapes:
+        what = f"planner vs measured, {shape.label} x {shape.frames}"
+        if report_out_of_time(report, what, args):
+            continue
+        fits = planner.max_batch(shape.frames, shape.height, shape.width)
+        if not fits:
+            report.skip(what, f"the planner says batch 1 does not fit ({planner.cheapest_fix(shape.frames, shape.height, shape.width)})")
+            continue
+        batch = min(fits, args.max_batch)
+        predicted = planner.estimate(batch, shape.frames, shape.height, shape.width).peak
+
+        def measure():
+            step = Step(w, cfg, single_context(w, cfg), shape, batch)
+            measured = step.peak_bytes()
+            return [f"{shape.label} x {shape.frames}", batch, tokens(w, step.geometry, shape), f"{predicted / GiB:.2f}",
+                    f"{measured / GiB:.2f}", f"{predicted / measured:.2f}"]
+        row = attempt(report, what, measure)
+        if row:
+            rows.append(row)
+    if rows:
+        report.table("Planner prediction vs measured peak", ["bucket", "batch", "tokens/sample", "predicted GiB",
+                                                             "measured GiB", "predicted / measured"], rows,
+                     note="bf16, full checkpointing, no EMA, no encoders, one GPU; measured: "
+                          + ("torch.cuda.max_memory_allocated over one step after the first."
+                             if w.device.type == "cuda" else "state + LiveMemory peak (CPU)."))
+
+
+def section_levers(w: Workload, report: Report, args) -> None:
+    rows, shape = [], w.lever_shape
+    base_time = None
+    for name, levers in LEVERS.items():
+        what = f"lever {name}"
+        if report_out_of_time(report, what, args):
+            continue
+        if levers.get("memory.offload") and w.device.type != "cuda":
+            report.skip(what, "offload moves CUDA tensors to host memory: a no-op on CPU")
+            continue
+        cfg = w.config([f"{k}={v}" for k, v in levers.items()])
+
+        def measure():
+            step = Step(w, cfg, single_context(w, cfg), shape, 1)
+            peak = step.peak_bytes()
+            state = step.state_bytes()
+            _, median = step.timed(1, w.steps)
+            return [name, f"{peak / GiB:.2f}", f"{(peak - state) / GiB:.2f}", f"{median:.3f}"], median
+        out = attempt(report, what, measure)
+        if out:
+            row, median = out
+            base_time = base_time or (median if name == "none" else None)
+            rows.append(row + [f"{median / base_time:.2f}" if base_time else "n/a"])
+    if rows:
+        report.table(f"Memory levers on {w.device.type.upper()}, {shape.label} x {shape.frames}, batch 1",
+                     ["lever", "peak GiB", "peak - weights, grads, AdamW GiB", "s/step", "time vs none"], rows,
+                     note="bf16 autocast, no compile; compression and offload act on the blocks that are not "
+                          "checkpointed (all of them here).")
+
+
+# --------------------------------------------------------------------------- parallel layouts
+
+
+def layouts(n: int, heads: int, microbatches: int) -> dict[str, list[str]]:
+    """Layouts over ``n`` GPUs: FSDP over all, SP, TP, PP=2 (1F1B, x FSDP over the rest)."""
+    out = {f"fsdp={n}": [f"parallel.dp_shard={n}"]}
+    if heads % n == 0:
+        out[f"sp={n}"] = [f"parallel.sp={n}"]
+        out[f"tp={n}"] = [f"parallel.tp={n}"]
+    if n % 2 == 0:
+        out[f"pp=2 x fsdp={n // 2}"] = ["parallel.pp=2", f"parallel.pp_microbatches={microbatches}"]
+    return out
+
+
+def section_parallel(w: Workload, report: Report, args) -> None:
+    n = 2 if w.dry else (torch.cuda.device_count() if w.device.type == "cuda" else 0)
+    if n < 2:
+        report.skip("SP/TP/PP/FSDP step times", f"needs more than one GPU ({n} visible)")
+        return
+    chosen = layouts(n, w.geometry().num_heads, microbatches=2 if args.parallel_batch % 4 else 4)
+    groups = [list(chosen)] if w.dry else [[name] for name in chosen]   # one launch per layout on GPUs
+    rows = []
+    for names in groups:
+        what = "parallel " + ", ".join(names)
+        if report_out_of_time(report, what, args):
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "result.jsonl"
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+                       str(Path(__file__).resolve()), "--worker", json.dumps({k: chosen[k] for k in names}),
+                       "--worker-out", str(out), "--steps", str(w.steps), "--batch", str(args.parallel_batch)]
+            if w.dry:
+                command.append("--dry-run")
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            try:
+                result = subprocess.run(command, capture_output=True, text=True, env=env,
+                                        timeout=max(60, remaining(args)))
+            except subprocess.TimeoutExpired:
+                report.skip(what, "timed out")
+                continue
+            got = {r["layout"]: r for r in map(json.loads, out.read_text().splitlines())} if out.exists() else {}
+            for name in names:
+                if name in got and "error" not in got[name]:
+                    rows.append(got[name]["row"])
+                else:
+                    why = got.get(name, {}).get("error") or (result.stderr.strip().splitlines() or ["no output"])[-1]
+                    report.skip(f"parallel {name}", f"failed: {why[:200]}")
+    if rows:
+        report.table(f"Parallel layouts over {n} {'processes (gloo)' if w.dry else 'GPUs'}, "
+                     f"{w.lever_shape.label} x {w.lever_shape.frames}",
+                     ["layout", "batch per step", "s/step", "model TFLOP/s per GPU", "MFU", "peak GiB (rank 0)"],
+                     rows, note="bf16, full checkpointing, no compile; MFU per GPU = model FLOPs of the step's "
+                                "samples / s / GPUs / peak.")
+
+
+def worker(args) -> None:
+    """Under torchrun: time each layout given in --worker; rank 0 appends one JSON line each."""
+    import torch.distributed as dist
+
+    w = dry_workload(args) if args.dry_run else xl_workload(args)
+    if w.device.type == "cuda":
+        w = dataclasses.replace(w, device=torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
+    peak = peak_tflops(torch.cuda.get_device_name() if w.device.type == "cuda" else None, args.peak_tflops)
+    for name, extra in json.loads(args.worker).items():
+        record: dict = {"layout": name}
+        try:
+            cfg = w.config(["memory.checkpointing=full", *extra])
+            ctx = init_distributed(cfg)
+            if w.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            step = Step(w, cfg, ctx, w.lever_shape, args.batch, seed=ctx.dp_rank)
+            _, median = step.timed(w.warmup, w.steps, barrier=dist.barrier)
+            samples = args.batch * ctx.dp_size
+            flops = train_step_flops(step.geometry, samples, *w.latent_shape(w.lever_shape), w.caption[1]).model
+            per_gpu = flops / median / ctx.world_size / 1e12
+            peak_mem = torch.cuda.max_memory_allocated() / GiB if w.device.type == "cuda" else float("nan")
+            record["row"] = [name, samples, f"{median:.3f}", f"{per_gpu:.1f}",
+                             f"{per_gpu / peak:.1%}" if peak else "n/a", f"{peak_mem:.1f}"]
+        except Exception as exc:   # noqa: BLE001
+            traceback.print_exc()
+            record["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        if int(os.environ.get("RANK", "0")) == 0:
+            with open(args.worker_out, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        free_memory()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- main
+
+
+def remaining(args) -> float:
+    return args.budget_minutes * 60 - (time.perf_counter() - args.start)
+
+
+def report_out_of_time(report: Report, what: str, args) -> bool:
+    if remaining(args) > 0:
+        return False
+    report.skip(what, f"the time budget (--budget-minutes {args.budget_minutes:g}) was spent")
+    return True
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, fp32, two steps: every code path")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}")
+    parser.add_argument("--results", default=None,
+                        help="append the section here (default benchmarks/RESULTS.md; a dry run only prints)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per measurement (after 3 warm-up)")
+    parser.add_argument("--batch", type=int, default=0, help="MFU batch (default: the planner's largest, "
+                        "at most --max-batch)")
+    parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--parallel-batch", type=int, default=4, help="batch per data-parallel group")
+    parser.add_argument("--peak-tflops", type=float, default=0.0, help="dense bf16 peak of this GPU "
+                        "(default: the table in videodit/train/metrics.py)")
+    parser.add_argument("--budget-minutes", type=float, default=9.5, help="stop starting measurements after this")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.start = time.perf_counter()
+    if args.worker:
+        worker(args)
+        return 0
+
+    sections = [s for s in args.sections.split(",") if s]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
+    if args.dry_run:
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+        args.max_batch, args.parallel_batch = min(args.max_batch, 2), 2
+        w = dry_workload(args)
+    elif not torch.cuda.is_available():
+        print("error: no GPU visible; run on a machine with one, or --dry-run to check the suite on CPU",
+              file=sys.stderr)
+        return 2
+    else:
+        w = xl_workload(args)
+        torch.set_float32_matmul_precision("high")   # as the Trainer does on CUDA
+        torch.backends.cudnn.benchmark = False
+    report = Report(w)
+    funcs = {"mfu": section_mfu, "sdpa": section_sdpa, "fastpaths": section_fastpaths, "planner": section_planner,
+             "levers": section_levers, "parallel": section_parallel}
+    for name in SECTIONS:
+        if name in sections:
+            print(f"\n== {name}", flush=True)
+            start = time.perf_counter()
+            attempt(report, f"section {name}", lambda name=name: funcs[name](w, report, args))
+            print(f"== {name}: {time.perf_counter() - start:.1f} s", flush=True)
+        else:
+            report.skip(f"section {name}", "not selected (--sections)")
+    text = report.markdown(args, time.perf_counter() - args.start)
+    results = args.results or (None if args.dry_run else str(ROOT / "benchmarks" / "RESULTS.md"))
+    if results:
+        with open(results, "a") as f:
+            f.write("\n" + text)
+        print(f"\nappended to {results}")
+    else:
+        print("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""benchmarks/gpu_suite.py: the one command a person with a GPU runs. ``--dry-run`` runs every
+section on CPU in tiny form (fp32, two steps, torchrun over 2 gloo processes for the parallel
+layouts), so the suite is known to work before anyone spends GPU time on it."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITE = ROOT / "benchmarks" / "gpu_suite.py"
+
+
+def run_suite(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    return subprocess.run([sys.executable, str(SUITE), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=ROOT)
+
+
+def table_rows(text: str, heading: str) -> list[str]:
+    block = text.split(heading, 1)[1].split("\n### ", 1)[0]
+    return [line for line in block.splitlines() if line.startswith("| ") and not line.startswith("| ---")][1:]
+
+
+def test_dry_run_measures_every_section_and_appends_one_section(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\nearlier sections\n")
+    result = run_suite("--dry-run", "--results", str(results))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    text = results.read_text()
+    assert text.startswith("# Benchmark results\n\nearlier sections\n")   # appended, nothing replaced
+    assert text.count("\n## ") == 1 and "## GPU suite -- DRY RUN" in text
+    assert len(table_rows(text, "### MFU")) == 4                                # 2 shapes x compile off/on
+    assert [row.split(" | ")[3] for row in table_rows(text, "### MFU")] == ["off", "off", "on", "on"]
+    assert len(table_rows(text, "### SDPA kernel per attention kind")) == 3     # spatial, temporal, cross
+    assert len(table_rows(text, "### Fast paths")) == 3                         # for-loop, foreach, fused AdamW
+    assert len(table_rows(text, "### Planner prediction vs measured peak")) == 5
+    assert len(table_rows(text, "### Memory levers")) == 5                      # offload is CUDA-only
+    layouts = [row.split(" | ")[0][2:] for row in table_rows(text, "### Parallel layouts")]
+    assert layouts == ["fsdp=2", "sp=2", "tp=2", "pp=2 x fsdp=1"]
+    # On CPU only what needs a GPU is missing, each with its reason; nothing failed.
+    missing = table_rows(text, "### Not measured")
+    assert {row.split(" | ")[0][2:] for row in missing} == {"MFU", "TF32 matmuls", "lever offload",
+                                                           "lever offload + fp8"}, missing
+    assert "failed" not in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_without_a_gpu_it_says_so_in_one_line():
+    result = run_suite("--sections", "mfu", timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("error: no GPU visible; run on a machine with one, or --dry-run to check the "
+                                     "suite on CPU")
