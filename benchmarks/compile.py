@@ -1,6 +1,7 @@
 """Compiled (``train.compile=true``) against eager training steps on CPU, with compile time apart.
 
     python benchmarks/compile.py [--presets tiny,S] [--steps 10] [--backend inductor]
+    python benchmarks/compile.py --adamw     # AdamW for-loop / foreach / fused steps on CPU instead
 
 For each preset, two Trainers on the same toy data, the same initial weights and one fixed
 batch (data loading excluded): eager, and with every block compiled
@@ -75,6 +76,35 @@ def run_preset(preset: str, toy: Path, tmp: Path, args) -> dict:
             "default_compiled": DEFAULT_RUN_STEPS * median["compiled"] + compile_s}
 
 
+def adamw_table(presets: list[str], steps: int) -> None:
+    """One AdamW step over each preset's parameters (random gradients), per implementation:
+    the Trainer uses the fused kernel on GPUs only; this says what it would do on CPU."""
+    from videodit.components import build_encoders, build_model
+    from videodit.config import load_config
+
+    print("| preset | params | for-loop ms | foreach ms | fused ms |")
+    print("|---|---:|---:|---:|---:|")
+    for preset in presets:
+        cfg = load_config("tiny", [f"model.preset={preset}"])
+        model = build_model(cfg, *build_encoders(cfg, torch.device("cpu")))
+        params = list(model.parameters())
+        for p in params:
+            p.grad = torch.randn_like(p)
+        results = {}
+        for name, options in (("for-loop", dict(foreach=False)), ("foreach", dict(foreach=True)),
+                              ("fused", dict(fused=True))):
+            optimizer = torch.optim.AdamW(params, lr=1e-4, **options)
+            optimizer.step()
+            times = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                optimizer.step()
+                times.append(time.perf_counter() - start)
+            results[name] = statistics.median(times) * 1e3
+        print(f"| {preset} | {sum(p.numel() for p in params) / 1e6:.2f} M | {results['for-loop']:.1f} | "
+              f"{results['foreach']:.1f} | {results['fused']:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", default="tiny,S")
@@ -82,9 +112,13 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor", choices=("inductor", "aot_eager", "eager"))
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     parser.add_argument("--fresh-cache", action="store_true", help="an empty inductor cache (first-run cost)")
+    parser.add_argument("--adamw", action="store_true", help="time AdamW implementations instead")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.adamw:
+        adamw_table(args.presets.split(","), args.steps)
+        return
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -670,7 +670,7 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
     if args.dry_run:
-        torch.set_num_threads(min(2, torch.get_num_threads()))
+        torch.set_num_threads(1)   # tiny tensors: one thread, no OpenMP spin-waiting on busy cores
         args.max_batch, args.parallel_batch = min(args.max_batch, 2), 2
         w = dry_workload(args)
     elif not torch.cuda.is_available():

@@ -1,7 +1,7 @@
 """Metadata at scale: the columnar reader and node cache, the vectorized sampler plan.
 
     python benchmarks/metadata.py [--rows 10000000] [--small-rows 1000000] [--ranks 4]
-                                  [--repeats 2] [--work DIR] [--before 610fe6b]
+                                  [--repeats 2] [--work DIR] [--before 610fe6b] [--only-startup]
 
 Synthetic Open-Sora metadata is written once into ``--work`` (kept for later runs) as CSV
 and Parquet: ``path,text,num_frames,height,width,aspect_ratio,fps,resolution``; 30% images
@@ -237,7 +237,10 @@ def main() -> None:
                   f"{best(measured['warm'])[0]:.2f}s; identical reports: {same}", flush=True)
         if n == args.small_rows and args.before:
             code = before_code(args.before)
-            old = [buckets(csv, "null", code) for _ in range(args.repeats)]
+            try:
+                old = [buckets(csv, "null", code) for _ in range(args.repeats)]
+            finally:
+                shutil.rmtree(code, ignore_errors=True)
             seconds, gib, report = best(old)
             new = [r for r in results[f"{n}-CSV"]["null"]]
             same = {k: v for k, v in report.items() if k != "read"} == {
@@ -247,7 +250,6 @@ def main() -> None:
                                  "now_no_cache": [(s, g) for s, g, _ in new]}
             print(f"before ({args.before}) at {n:,} rows: {seconds:.1f}s, {gib:.2f} GiB; same buckets and batches as "
                   f"now: {same}", flush=True)
-            shutil.rmtree(code, ignore_errors=True)
 
     if rows:
         print("\n| rows | file | videodit buckets | wall s | x bare read | peak RSS GiB | read+check s |")

@@ -16,9 +16,13 @@ import torch
 
 from conftest import tiny_overrides
 from test_distributed import run_layouts, single_process
-from videodit.config import load_config
+from videodit.config import MemoryConfig, ParallelConfig, load_config
 from videodit.errors import UserError
+from videodit.models.stdit import DiTGeometry, STDiT
+from videodit.parallel.compile import CompileOptions
 from videodit.parallel.dims import ParallelDims
+from videodit.parallel.distributed import DistContext
+from videodit.parallel.parallelize import parallelize
 from videodit.train.trainer import Trainer
 
 VIDEO_BUCKETS = "{'24px': {4: [1.0, 2]}, '16px': {4: [1.0, 2]}}"
@@ -125,15 +129,25 @@ def test_compile_under_torchrun_matches_one_eager_process(mixed_toy, tmp_path):
     assert frames == {"1", "4"}, frames   # image batches took the head-parallel path
 
 
-def test_dynamic_shapes_under_tensor_parallelism_are_refused_with_one_line():
+def test_tensor_parallelism_with_compile_is_refused_before_anything_is_applied():
+    """Torch 2.13 compiles DTensor blocks wrongly (static shapes: the caption's gradient misses
+    its TP all-reduce) or not at all (dynamic shapes): parallelize refuses, first thing."""
     tp = ParallelDims(dp_replicate=1, dp_shard=1, sp=1, tp=2, pp=1, world_size=2)
     with pytest.raises(UserError) as info:
-        tp.check_compile("dynamic")
-    assert "\n" not in str(info.value)
-    assert "train.compile_dynamic=dynamic with parallel.tp=2 is not supported" in str(info.value)
-    tp.check_compile("static")
-    tp.check_compile("auto")     # resolves to static under TP
-    ParallelDims(dp_replicate=1, dp_shard=2, sp=2, tp=1, pp=2, world_size=8).check_compile("dynamic")
+        tp.check_compile()
+    assert str(info.value).startswith("train.compile=true with parallel.tp=2 is not supported") \
+        and "\n" not in str(info.value)
+    ParallelDims(dp_replicate=1, dp_shard=2, sp=2, tp=1, pp=2, world_size=8).check_compile()   # the rest compiles
+    ParallelDims(dp_replicate=2, dp_shard=2, sp=1, tp=1, pp=1, world_size=4).check_compile()
+
+    model = STDiT(DiTGeometry(in_channels=3, caption_channels=8, caption_length=4, depth=1, hidden_size=32,
+                              num_heads=4))
+    forward = model.blocks[0].forward
+    ctx = DistContext(tp, rank=0, local_rank=0, device=torch.device("cpu"))   # no process group needed
+    with pytest.raises(UserError, match="parallel.tp=2"):
+        parallelize(model, ctx, ParallelConfig(tp=2), memory=MemoryConfig(), loss_fn=None,
+                    compile=CompileOptions("aot_eager"))
+    assert model.blocks[0].forward == forward   # nothing was applied
 
 
 def test_bad_compile_options_fail_at_load():

@@ -154,8 +154,8 @@ class TrainConfig:
                             "checkpoint of it) or skip the update (counted in metrics as skipped_steps)",
                             choices=("stop", "skip"))
     compile: bool = opt(False, "torch.compile every transformer block (regional compilation, as torchtitan): "
-                        "composes with activation checkpointing, DDP, FSDP2/HSDP, TP, SP and PP; recompiles are "
-                        "logged in metrics as recompiles")
+                        "composes with activation checkpointing, DDP, FSDP2/HSDP, SP and PP, not TP; recompiles "
+                        "are logged in metrics as recompiles")
     compile_dynamic: str = opt("auto", "shapes of compiled blocks: auto (dynamic batch, frames and positions when "
                                "the data has several bucket shapes, else static), dynamic (always), static (one "
                                "graph per bucket shape: for a few buckets)", choices=("auto", "dynamic", "static"))

@@ -195,7 +195,8 @@ def read_metadata(path: str | Path, bad_rows: str = "skip", option: str = "data.
         try:
             entry = folder / entry_key(source.path, _CODE)
             built = build_once(entry, lambda tmp: _Sink(source, tmp).consume(source.chunks(show)))
-            meta, how = _open_entry(source.path, entry), f"{'read and cached in' if built else 'mapped from'} {entry}"
+            meta = _open_entry(source.path, entry)
+            how = f"{'read and cached in' if built else 'mapped from'} {entry}"
             prune(folder) if built else None
         except OSError as exc:
             if cache != "auto":
@@ -331,7 +332,8 @@ class Source:
             lines = np.concatenate([lines, [number for number, _ in good]])
             order = np.argsort(lines, kind="stable")
             extra = pa.RecordBatch.from_pylist([row for _, row in good], schema=self.schema)
-            batch, lines = pa.Table.from_batches([batch, extra]).take(order).combine_chunks().to_batches()[0], lines[order]
+            merged = pa.Table.from_batches([batch, extra]).take(order).combine_chunks()
+            batch, lines = merged.to_batches()[0], lines[order]
         return batch, lines, bad
 
     def _parquet_schema(self) -> pa.Schema:

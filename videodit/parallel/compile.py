@@ -1,8 +1,10 @@
 """Regional compilation: ``torch.compile`` on every transformer block, applied from outside.
 
 As torchtitan's ``apply_compile``, each block is compiled on its own (the blocks repeat, so
-two graphs, spatial and temporal, serve all of them), after tensor parallelism, sequence
-parallelism and activation checkpointing and before FSDP2/DDP. What is compiled is the
+two graphs, spatial and temporal, serve all of them), in torchtitan's place: after sequence
+parallelism and activation checkpointing, before FSDP2/DDP (torchtitan also compiles after
+tensor parallelism; torch 2.13 gets DTensor blocks wrong, so ``ParallelDims.check_compile``
+refuses TP with compile). What is compiled is the
 block's ``forward`` as the earlier steps left it (the checkpoint wrapper included, which
 Dynamo traces as one region that backward recomputes); the hooks around the block stay
 eager: sequence parallelism's layout switches (all-to-alls between blocks) and FSDP2's
@@ -43,12 +45,11 @@ class CompileOptions:
     dynamic: str = "auto"          # auto, dynamic or static (see the module docstring)
     fullgraph: bool = True         # a graph break inside a block is a bug here: fail loudly
 
-    def resolved(self, shapes: int, dynamic_ok: bool = True) -> "CompileOptions":
-        """``auto`` decided for data with ``shapes`` distinct bucket shapes; static where
-        dynamic shapes cannot be traced (``dynamic_ok`` false: tensor parallelism)."""
+    def resolved(self, shapes: int) -> "CompileOptions":
+        """``auto`` decided for data with ``shapes`` distinct bucket shapes."""
         if self.dynamic != "auto":
             return self
-        return dataclasses.replace(self, dynamic="dynamic" if shapes > 1 and dynamic_ok else "static")
+        return dataclasses.replace(self, dynamic="dynamic" if shapes > 1 else "static")
 
 
 @dataclass
@@ -117,10 +118,12 @@ def compile_block(block: nn.Module, options: CompileOptions, stats: CompileStats
 
 def apply_compile(model: nn.Module, options: CompileOptions, *, shapes: int = 1) -> CompileStats:
     """Compile every block of ``model.blocks`` (a whole model or a pipeline stage) in place.
-    ``shapes``: how many distinct bucket shapes the data has (decides ``auto`` if
-    ``options`` is not resolved yet, and how many graphs Dynamo must be allowed to keep)."""
+    ``shapes``: how many distinct bucket shapes the data has (decides ``auto``, and how many
+    graphs Dynamo must be allowed to keep)."""
     if options.backend not in BACKENDS:
         raise UserError(f"train.compile_backend={options.backend!r} is not one of {', '.join(BACKENDS)}")
+    if options.dynamic not in DYNAMIC:
+        raise UserError(f"train.compile_dynamic={options.dynamic!r} is not one of {', '.join(DYNAMIC)}")
     options = options.resolved(shapes)
     _raise_recompile_limit(2 * shapes + 8)
     stats = CompileStats()

@@ -112,15 +112,16 @@ class ParallelDims:
                             f"parallel.pp={self.pp}; valid: {', '.join(str(self.pp * k) for k in range(1, 5))}, ...")
         return per_rank, microbatches
 
-    def check_compile(self, dynamic: str) -> None:
-        """Raise a UserError for what ``train.compile`` cannot do with this layout. Compiled
-        blocks compose with checkpointing, DDP, FSDP2/HSDP, SP and PP; tensor-parallel blocks
-        (DTensor) compile with static shapes only: tracing them with dynamic shapes recurses
-        without end in AOTAutograd (torch 2.13), so ``auto`` is static under TP."""
-        if self.tp > 1 and dynamic == "dynamic":
-            raise UserError(f"train.compile_dynamic=dynamic with parallel.tp={self.tp} is not supported: torch "
-                            "cannot trace tensor-parallel (DTensor) blocks with dynamic shapes; use "
-                            "train.compile_dynamic=static or auto (one graph per bucket shape under TP)")
+    def check_compile(self) -> None:
+        """Raise a UserError for a layout ``train.compile`` cannot compile correctly. Compiled
+        blocks compose with checkpointing, DDP, FSDP2/HSDP, SP and PP. Tensor-parallel blocks
+        (DTensor) do not, in torch 2.13: with dynamic shapes AOTAutograd's tracing recurses
+        without end, and with static shapes the caption's gradient misses its all-reduce over
+        the TP group (the caption MLP then learns from this rank's heads only)."""
+        if self.tp > 1:
+            raise UserError(f"train.compile=true with parallel.tp={self.tp} is not supported: torch does not "
+                            "compile tensor-parallel (DTensor) blocks correctly; turn one of them off (parallel.sp "
+                            "splits activations too and compiles)")
 
     # ------------------------------------------------------------------ derived sizes
 

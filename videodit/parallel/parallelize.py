@@ -125,8 +125,7 @@ def parallelize(model: STDiT, ctx: DistContext, cfg: ParallelConfig, *, memory: 
     dims = ctx.dims
     shapes = len(bucket_batch_sizes or {}) or 1
     if compile is not None:
-        dims.check_compile(compile.dynamic)
-        compile = compile.resolved(shapes, dynamic_ok=dims.tp == 1)
+        dims.check_compile()
     pipeline, stages = None, [model]
     if dims.pp > 1:
         check_microbatches(bucket_batch_sizes or {}, ctx.pp_microbatches)

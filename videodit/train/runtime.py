@@ -25,8 +25,8 @@ def seed_everything(seed: int) -> None:
 
 # Keys that may change between a checkpoint and its resume without changing what is trained.
 RESUMABLE_CHANGES = ("name", "resume", "train.max_steps", "train.log_every", "train.sample_every",
-                     "train.threads", "data.num_workers", "checkpoint.", "validation.", "sample.",
-                     "parallel.")
+                     "train.threads", "train.peak_tflops", "data.num_workers", "data.metadata_cache",
+                     "checkpoint.", "validation.", "sample.", "parallel.")
 
 
 def check_config_change(saved_yaml: str, cfg: Config) -> list[str]:
