@@ -11,7 +11,8 @@ toy set with deterministic CPU settings.
 ``--distributed LAYOUT`` runs 2 ranks under ``torchrun --max-restarts`` (gloo, CPU) and kills
 one worker process at a time: torchrun restarts the group, which resumes with
 ``resume=auto`` from the last complete checkpoint. Restarts are allowed generously (3 per
-kill): a restarted gloo group now and then fails to connect and torchrun simply tries again.
+kill) and collectives time out after a minute: should a restarted gloo group ever fail to
+connect, it gives up quickly and torchrun simply tries again.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from safetensors.torch import load_file
 
 
 LAYOUTS = {"fsdp": ["parallel.dp_shard=2"], "sp": ["parallel.sp=2", "parallel.dp_shard=1"]}
+TIMEOUT = ["parallel.timeout_minutes=1"]   # the tiny steps take milliseconds
 RANKS = 2
 
 
@@ -47,7 +49,7 @@ def train_command(run: Path, toy: Path, steps: int, layout: str | None = None, r
     if layout is None:
         return [sys.executable, "-m", "videodit", *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
-            f"--max-restarts={restarts}", "-m", "videodit", *args, *LAYOUTS[layout]]
+            f"--max-restarts={restarts}", "-m", "videodit", *args, *LAYOUTS[layout], *TIMEOUT]
 
 
 def children(pid: int) -> list[int]:

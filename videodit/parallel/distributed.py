@@ -151,8 +151,25 @@ def init_distributed(cfg: Config) -> DistContext:
     if world == 1:
         return DistContext(dims, rank, local_rank, device)
     if not dist.is_initialized():   # a caller (a test harness) may have joined already
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=cfg.parallel.timeout_minutes),
-                                device_id=device if device.type == "cuda" else None)
+        join_process_group(device, timedelta(minutes=cfg.parallel.timeout_minutes))
     return DistContext(dims, rank, local_rank, device, dims.build_meshes(device.type), per_rank, microbatches)
 
+
+
+def join_process_group(device: torch.device, timeout: timedelta) -> None:
+    """``init_process_group`` from torchrun's environment, one store namespace per restart.
+
+    torchrun keeps its agent's store for all restarts of a group, so without a namespace a
+    restarted gloo rank can read the address its killed predecessor published and wait on
+    that dead socket until the timeout (seen in about one restart in four)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    device_id = device if device.type == "cuda" else None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+        return
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"videodit/attempt-{attempt}", agent_store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=timeout, device_id=device_id)
