@@ -128,9 +128,11 @@ class SequenceParallel:
         self.layout = FULL
 
     def _before_block(self, block, args):
-        x, *rest = args
+        x, y, y_mask, t_mod, *rest = args
         want = POSITIONS if block.temporal or not self.split_frames else FRAMES
-        return (self._switch(x, want), *rest)
+        if want == FRAMES and t_mod.dim() == 4:   # a modulation per frame (x_mask): this rank's frames
+            t_mod = t_mod.chunk(self.size, dim=1)[self.rank]
+        return (self._switch(x, want), y, y_mask, t_mod, *rest)
 
     def _after_last_block(self, block, args, out):
         return self._switch(out, FULL)
