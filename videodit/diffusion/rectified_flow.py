@@ -70,15 +70,26 @@ class RectifiedFlow:
         return (x_t - output) / t
 
     def loss(self, output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
-             target_velocity: torch.Tensor) -> torch.Tensor:
+             target_velocity: torch.Tensor, frame_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The training loss in fp32: the mean squared error of the output's velocity, or with
         ``loss_space="data"`` of the clean sample it implies, ``x0 = x_t - t * v``. The two differ
         by a factor t^2 per sample; with data prediction the velocity loss weighs a sample at
-        t=0.1 81 times more than one at t=0.9."""
+        t=0.1 81 times more than one at t=0.9. ``frame_mask`` [B, T'] (True = generated): the
+        error of each sample is averaged over its generated frames only, as Open-Sora does."""
         error = self.model_velocity(output.float(), x_t, t) - target_velocity.float()
         if self.cfg.loss_space == "data":
             error = error * t.view(-1, *([1] * (error.dim() - 1))).float()
-        return error.square().mean()
+        if frame_mask is None:
+            return error.square().mean()
+        weight = frame_mask.to(error.dtype)[:, None, :, None, None]           # [B, 1, T', 1, 1]
+        per_sample = (error.square() * weight).flatten(1).sum(1)
+        counted = weight.flatten(1).sum(1) * error[:, :, 0].numel() / error.shape[0]   # frames x C*H*W
+        return (per_sample / counted).mean()
+
+    @staticmethod
+    def keep_given_frames(x_t: torch.Tensor, x0: torch.Tensor, frame_mask: torch.Tensor) -> torch.Tensor:
+        """``x_t`` with the given frames (False in ``frame_mask`` [B, T']) clean: conditioning."""
+        return torch.where(frame_mask[:, None, :, None, None], x_t, x0)
 
     def sample(self, velocity: VelocityFn, noise: torch.Tensor, steps: int, ratio: float = 1.0,
                guidance: float = 1.0, uncond_velocity: VelocityFn | None = None) -> torch.Tensor:
