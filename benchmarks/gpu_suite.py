@@ -1,12 +1,17 @@
 """The GPU measurements, in one command: run it on a machine with a GPU, read the section it
 appends to benchmarks/RESULTS.md.
 
-    python benchmarks/gpu_suite.py                      # everything, about 5-10 minutes
+    python benchmarks/gpu_suite.py                      # everything the time budget allows (9.5 min)
     python benchmarks/gpu_suite.py --sections mfu,sdpa  # some of it
     python benchmarks/gpu_suite.py --dry-run            # CPU, tiny shapes, fp32: every code path, no figures
 
-Needs nothing but this repository and its installed dependencies: no internet, no pip, no
-pretrained weights. The workload is the XL preset with Open-Sora 1.2's geometry (28 block
+Everything does not fit in one 10-minute invocation on one GPU: measurements that would start
+after ``--budget-minutes`` are listed as not measured. Run the rest in a second invocation, e.g.
+``--sections mfu,sdpa,fastpaths`` then ``--sections planner,tune,levers,parallel``; each
+appends its own section.
+
+Needs nothing but this repository and its dependencies: no internet, no pip registry, no
+pretrained weights (see "Offline" in ``--help``). The workload is the XL preset with Open-Sora 1.2's geometry (28 block
 pairs, hidden 1152, 16 heads, patch (1, 2, 2), captions of 300 tokens x 4096 channels,
 4-channel latents at 1/8 of the pixels and 17 frames -> 5 latent frames), random weights,
 random latents and random caption embeddings fed straight to the model (no VAE, no T5).
@@ -27,13 +32,21 @@ Sections (``--sections``, default all):
   optimizer step over the XL parameters) and TF32 against full fp32 matmuls.
 * ``planner``: ``videodit.planner``'s predicted peak against ``torch.cuda.max_memory_allocated``
   for five buckets (batch: the planner's largest that fits, at most ``--max-batch``).
+* ``tune``: the largest batch found by ``videodit tune``'s search (``planner/tune.py``: from the
+  planner's prediction, doubling, then bisecting; a trial fits when its peak stays within the
+  planner's budget and it does not run out of memory) against the planner's, for two buckets.
+  The trials run this suite's step (random latents) rather than ``videodit tune CONFIG``,
+  which needs a dataset, the VAE and T5.
 * ``levers``: peak memory and step time of the activation levers (checkpointing, bf16/fp8
   compression, host offload) at 240p x 51, batch 1, no compile.
 * ``parallel``: with more than one GPU, step time and MFU of FSDP, SP, TP and PP over all
   GPUs (torchrun, one launch per layout).
 
 What could not be measured (no GPU, one GPU, out of memory, a failure, the time budget) is
-listed in the section's last table instead of silently missing.
+listed in the section's last table ("Not measured", with the reason) instead of silently
+missing. What this suite never measures: the VAE and text encoder (bf16 on-the-fly encoding),
+the data loader (pinned memory, asynchronous copies), real data and captions, pretrained
+weights, and more than one node.
 """
 
 from __future__ import annotations
@@ -45,6 +58,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -70,11 +84,27 @@ from videodit.parallel.distributed import init_distributed  # noqa: E402
 from videodit.parallel.parallelize import parallelize  # noqa: E402
 from videodit.planner.estimate import Parallel  # noqa: E402
 from videodit.planner.measure import LiveMemory, optimizer_bytes, tensor_bytes  # noqa: E402
-from videodit.planner.plan import LatentGeometry, Planner  # noqa: E402
+from videodit.planner.plan import MAX_BATCH, LatentGeometry, Planner  # noqa: E402
+from videodit.planner.tune import search_max_batch  # noqa: E402
 from videodit.train.metrics import peak_tflops  # noqa: E402
 
+OFFLINE = """\
+Offline (no internet, no pip registry; PyTorch with CUDA already installed):
+  1. On a machine with internet, the same OS, CPU architecture and Python version as the GPU
+     machine, make a wheel folder of videodit's other dependencies:
+       pip wheel --wheel-dir videodit-wheels {requirements}
+  2. Copy videodit-wheels/ and this repository to the GPU machine; in the repository:
+       pip install --no-index --find-links videodit-wheels -e .
+     (the installed PyTorch satisfies the torch requirement; nothing else is fetched)
+  3. python benchmarks/gpu_suite.py [--sections ...]
+     It downloads nothing: random weights, random latents and captions.
+
+Output: a "## GPU suite" section appended to benchmarks/RESULTS.md (--results FILE for
+another file), printed as it goes; its last table lists what was not measured and why.
+"""
+
 GiB = 2**30
-SECTIONS = ("mfu", "sdpa", "fastpaths", "planner", "levers", "parallel")
+SECTIONS = ("mfu", "sdpa", "fastpaths", "planner", "tune", "levers", "parallel")
 LEVERS = {   # name -> memory.* overrides (the levers act on blocks that are not checkpointed)
     "none": {},
     "checkpoint full": {"memory.checkpointing": "full"},
@@ -107,6 +137,7 @@ class Workload:
     latent: LatentGeometry
     mfu_shapes: list[Shape]
     plan_shapes: list[Shape]
+    tune_shapes: list[Shape]
     lever_shape: Shape
     steps: int
     warmup: int
@@ -137,6 +168,7 @@ def xl_workload(args) -> Workload:
         mfu_shapes=[Shape("240p", 240, 426, 51), Shape("360p", 360, 640, 51)],
         plan_shapes=[Shape("144p", 144, 256, 51), Shape("240p", 240, 426, 51), Shape("240p", 240, 426, 102),
                      Shape("360p", 360, 640, 51), Shape("480p", 480, 854, 51)],
+        tune_shapes=[Shape("240p", 240, 426, 51), Shape("360p", 360, 640, 51)],
         lever_shape=Shape("240p", 240, 426, 51), steps=args.steps, warmup=3, backend="inductor", bf16=True)
 
 
@@ -149,6 +181,7 @@ def dry_workload(args) -> Workload:
         mfu_shapes=[Shape("32x48", 32, 48, 17), Shape("48x64", 48, 64, 17)],
         plan_shapes=[Shape("32x32", 32, 32, 17), Shape("32x48", 32, 48, 17), Shape("32x48", 32, 48, 34),
                      Shape("48x64", 48, 64, 17), Shape("64x64", 64, 64, 17)],
+        tune_shapes=[Shape("32x48", 32, 48, 17), Shape("48x64", 48, 64, 17)],
         lever_shape=Shape("32x48", 32, 48, 17), steps=2, warmup=1, backend="eager", bf16=False)
 
 
@@ -293,12 +326,18 @@ class Report:
         return "\n\n".join(["\n".join(head), *body]) + "\n"
 
 
+class OutOfTime(Exception):
+    """The time budget ran out in the middle of a measurement (the tune section's search)."""
+
+
 def attempt(report: Report, what: str, fn):
     """Run one measurement; an OOM or any failure becomes a 'not measured' line."""
     try:
         return fn()
     except torch.cuda.OutOfMemoryError:
         report.skip(what, "out of GPU memory")
+    except OutOfTime as exc:
+        report.skip(what, str(exc))
     except Exception as exc:   # noqa: BLE001 -- a failed measurement must not lose the others
         traceback.print_exc()
         report.skip(what, f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
@@ -345,6 +384,10 @@ def section_mfu(w: Workload, report: Report, args) -> None:
             note=f"{count_parameters_of(w) / 1e9:.2f} B parameters; median of {w.steps} steps after {w.warmup}; "
                  f"peak {peak or 'unknown'} TFLOP/s; MFU = model FLOPs (no recompute) / s / peak, HFU adds the "
                  "recomputed forward of full checkpointing and fused attention's backward recompute.")
+
+
+def precision(w: Workload) -> str:
+    return "bf16 autocast" if w.bf16 else "fp32"
 
 
 def tokens(w: Workload, geometry, shape: Shape) -> int:
@@ -457,9 +500,10 @@ def section_fastpaths(w: Workload, report: Report, args) -> None:
     if w.device.type == "cuda":
         n = 8192
         a, b = torch.randn(n, n, device=w.device), torch.randn(n, n, device=w.device)
-        before = torch.backends.cuda.matmul.allow_tf32
+        before = torch.get_float32_matmul_precision()
         for tf32 in (False, True):
-            torch.backends.cuda.matmul.allow_tf32 = tf32
+            # The Trainer's switch (torch's older TF32 API: mixing in the newer one breaks inductor).
+            torch.set_float32_matmul_precision("high" if tf32 else "highest")
             a @ b
             sync(w.device)
             start = time.perf_counter()
@@ -468,7 +512,7 @@ def section_fastpaths(w: Workload, report: Report, args) -> None:
             sync(w.device)
             rows.append([f"fp32 matmul {n}^2, TF32 {'on' if tf32 else 'off'}",
                          f"{2 * n**3 * 10 / (time.perf_counter() - start) / 1e12:.1f} TFLOP/s"])
-        torch.backends.cuda.matmul.allow_tf32 = before
+        torch.set_float32_matmul_precision(before)
         del a, b
     else:
         report.skip("TF32 matmuls", "CUDA only")
@@ -504,9 +548,61 @@ def section_planner(w: Workload, report: Report, args) -> None:
     if rows:
         report.table("Planner prediction vs measured peak", ["bucket", "batch", "tokens/sample", "predicted GiB",
                                                              "measured GiB", "predicted / measured"], rows,
-                     note="bf16, full checkpointing, no EMA, no encoders, one GPU; measured: "
+                     note=f"{precision(w)}, full checkpointing, no EMA, no encoders, one GPU; measured: "
                           + ("torch.cuda.max_memory_allocated over one step after the first."
                              if w.device.type == "cuda" else "state + LiveMemory peak (CPU)."))
+
+
+def size(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / 2**20:.1f} MiB"
+
+
+def trial_peak(w: Workload, cfg, shape: Shape, batch: int) -> int | None:
+    """The peak memory of a training step at ``batch`` (as ``Step.peak_bytes``); None when it
+    runs out of GPU memory, which ``videodit tune`` counts as "does not fit" too."""
+    try:
+        return Step(w, cfg, single_context(w, cfg), shape, batch).peak_bytes()
+    except torch.cuda.OutOfMemoryError:
+        return None
+    finally:
+        free_memory()
+
+
+def section_tune(w: Workload, report: Report, args) -> None:
+    cfg = w.config(["memory.checkpointing=full"])
+    planner = planner_for(w, cfg)
+    limit = args.max_batch if w.dry else MAX_BATCH   # CPU: a short search, the code path only
+    rows = []
+    for shape in w.tune_shapes:
+        what = f"tune vs planner, {shape.label} x {shape.frames}"
+        if report_out_of_time(report, what, args):
+            continue
+        planned = planner.max_batch(shape.frames, shape.height, shape.width)
+
+        def measure(shape=shape, planned=planned):
+            trials = []
+
+            def fits(batch: int) -> bool:
+                if remaining(args) <= 0:
+                    raise OutOfTime(f"the time budget (--budget-minutes {args.budget_minutes:g}) was spent "
+                                    f"during the search, after trials {', '.join(trials)}")
+                peak = trial_peak(w, cfg, shape, batch)
+                trials.append(f"{batch}: " + ("out of memory" if peak is None else size(peak)))
+                return peak is not None and peak <= planner.budget
+
+            tuned = search_max_batch(fits, start=max(planned, 1), limit=limit, multiple=planner.batch_multiple)
+            return [f"{shape.label} x {shape.frames}", planned, tuned, f"{tuned / planned:.2f}" if planned else "n/a",
+                    "; ".join(trials)]
+        row = attempt(report, what, measure)
+        if row:
+            rows.append(row)
+    if rows:
+        report.table("videodit tune's batch sizes vs the planner's",
+                     ["bucket", "planner max batch", "tuned max batch", "tuned / planner", "trials (batch: peak)"],
+                     rows, note=f"{precision(w)}, full checkpointing, no EMA, no encoders; budget {planner.budget / GiB:.2f} GiB "
+                                "(the planner's: device memory less its margin); the search of `videodit tune` "
+                                "(planner/tune.py) over trial steps of this suite's workload"
+                                + (f", stopped at batch {limit} (dry run)" if w.dry else "") + ".")
 
 
 def section_levers(w: Workload, report: Report, args) -> None:
@@ -535,7 +631,7 @@ def section_levers(w: Workload, report: Report, args) -> None:
     if rows:
         report.table(f"Memory levers on {w.device.type.upper()}, {shape.label} x {shape.frames}, batch 1",
                      ["lever", "peak GiB", "peak - weights, grads, AdamW GiB", "s/step", "time vs none"], rows,
-                     note="bf16 autocast, no compile; compression and offload act on the blocks that are not "
+                     note=f"{precision(w)}, no compile; compression and offload act on the blocks that are not "
                           "checkpointed (all of them here).")
 
 
@@ -590,7 +686,7 @@ def section_parallel(w: Workload, report: Report, args) -> None:
         report.table(f"Parallel layouts over {n} {'processes (gloo)' if w.dry else 'GPUs'}, "
                      f"{w.lever_shape.label} x {w.lever_shape.frames}",
                      ["layout", "batch per step", "s/step", "model TFLOP/s per GPU", "MFU", "peak GiB (rank 0)"],
-                     rows, note="bf16, full checkpointing, no compile; MFU per GPU = model FLOPs of the step's "
+                     rows, note=f"{precision(w)}, full checkpointing, no compile; MFU per GPU = model FLOPs of the step's "
                                 "samples / s / GPUs / peak.")
 
 
@@ -631,6 +727,16 @@ def worker(args) -> None:
 # --------------------------------------------------------------------------- main
 
 
+def offline_requirements() -> list[str]:
+    """What ``pip wheel`` must fetch for an offline install: pyproject.toml's dependencies but
+    PyTorch (preinstalled), and the build backend, quoted for a shell."""
+    text = (ROOT / "pyproject.toml").read_text()
+    build = re.search(r'requires = \[(.*?)\]', text, re.S).group(1)
+    runtime = re.search(r'^dependencies = \[(.*?)\]', text, re.S | re.M).group(1)
+    names = re.findall(r'"([^"]+)"', build) + re.findall(r'"([^"]+)"', runtime)
+    return [f"'{name}'" for name in names if not re.match(r"torch\b", name)]
+
+
 def remaining(args) -> float:
     return args.budget_minutes * 60 - (time.perf_counter() - args.start)
 
@@ -643,7 +749,8 @@ def report_out_of_time(report: Report, what: str, args) -> bool:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=OFFLINE.format(requirements=" ".join(offline_requirements())))
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, fp32, two steps: every code path")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}")
     parser.add_argument("--results", default=None,
@@ -651,7 +758,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per measurement (after 3 warm-up)")
     parser.add_argument("--batch", type=int, default=0, help="MFU batch (default: the planner's largest, "
                         "at most --max-batch)")
-    parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--max-batch", type=int, default=8, help="largest batch the mfu and planner sections "
+                        "use (the tune section searches up to the planner's limit)")
     parser.add_argument("--parallel-batch", type=int, default=4, help="batch per data-parallel group")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="dense bf16 peak of this GPU "
                         "(default: the table in videodit/train/metrics.py)")
@@ -683,7 +791,7 @@ def main(argv=None) -> int:
         torch.backends.cudnn.benchmark = False
     report = Report(w)
     funcs = {"mfu": section_mfu, "sdpa": section_sdpa, "fastpaths": section_fastpaths, "planner": section_planner,
-             "levers": section_levers, "parallel": section_parallel}
+             "tune": section_tune, "levers": section_levers, "parallel": section_parallel}
     for name in SECTIONS:
         if name in sections:
             print(f"\n== {name}", flush=True)

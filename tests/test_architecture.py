@@ -17,7 +17,7 @@ LAYERS = [
     {"models", "diffusion", "data"},
     {"toy", "components"},
     {"parallel", "checkpoint", "planner"},
-    {"sample", "train"},
+    {"sample", "train", "cache"},
     {"cli"},
     {"__main__"},
 ]

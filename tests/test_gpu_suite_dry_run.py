@@ -2,6 +2,7 @@
 section on CPU in tiny form (fp32, two steps, torchrun over 2 gloo processes for the parallel
 layouts), so the suite is known to work before anyone spends GPU time on it."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -38,6 +39,9 @@ def test_dry_run_measures_every_section_and_appends_one_section(tmp_path):
     assert len(table_rows(text, "### SDPA kernel per attention kind")) == 3     # spatial, temporal, cross
     assert len(table_rows(text, "### Fast paths")) == 3                         # for-loop, foreach, fused AdamW
     assert len(table_rows(text, "### Planner prediction vs measured peak")) == 5
+    tuned = table_rows(text, "### videodit tune's batch sizes vs the planner's")
+    assert [row.split(" | ")[0][2:] for row in tuned] == ["32x48 x 17", "48x64 x 17"]
+    assert all(int(row.split(" | ")[2]) >= 1 for row in tuned)                  # the search found a batch
     assert len(table_rows(text, "### Memory levers")) == 5                      # offload is CUDA-only
     layouts = [row.split(" | ")[0][2:] for row in table_rows(text, "### Parallel layouts")]
     assert layouts == ["fsdp=2", "sp=2", "tp=2", "pp=2 x fsdp=1"]
@@ -46,6 +50,20 @@ def test_dry_run_measures_every_section_and_appends_one_section(tmp_path):
     assert {row.split(" | ")[0][2:] for row in missing} == {"MFU", "TF32 matmuls", "lever offload",
                                                            "lever offload + fp8"}, missing
     assert "failed" not in text
+
+
+def test_help_says_how_to_run_offline_and_what_it_cannot_measure(capsys, monkeypatch):
+    spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
+    suite = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_suite", suite)   # its dataclasses look their module up
+    spec.loader.exec_module(suite)
+    with pytest.raises(SystemExit):
+        suite.main(["--help"])
+    text = capsys.readouterr().out
+    wheel = next(line for line in text.splitlines() if "pip wheel --wheel-dir videodit-wheels" in line)
+    assert "'numpy>=1.24'" in wheel and "'setuptools>=68'" in wheel and "torch" not in wheel  # from pyproject.toml
+    assert "pip install --no-index --find-links videodit-wheels -e ." in text
+    assert "Not measured" in text and "What this suite never measures" in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")

@@ -13,6 +13,7 @@ from videodit.models.vae import build_vae
 from videodit.toy.encoder import TOY_MAX_LENGTH, ToyTextEncoder
 
 TEXT_KINDS = ("toy", "transformers")
+TEXT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_text_encoder(kind: str, path: str | None = None, max_length: int | None = None, dim: int = 64,
@@ -30,9 +31,10 @@ def build_text_encoder(kind: str, path: str | None = None, max_length: int | Non
 def build_encoders(cfg: Config, device: torch.device):
     """The frozen VAE and text encoder (no gradients, eval mode)."""
     vae = build_vae(cfg.vae.kind, path=cfg.vae.path, subfolder=cfg.vae.subfolder,
-                    scaling_factor=cfg.vae.scaling_factor, micro_batch=cfg.vae.micro_batch)
+                    scaling_factor=cfg.vae.scaling_factor, micro_batch=cfg.vae.micro_batch,
+                    temporal_micro_batch=cfg.vae.temporal_micro_batch)
     text = build_text_encoder(cfg.text.kind, path=cfg.text.path, max_length=cfg.text.max_length,
-                              dim=cfg.text.dim)
+                              dim=cfg.text.dim, dtype=TEXT_DTYPES[cfg.text.dtype])
     return vae.to(device), text.to(device)
 
 
@@ -42,8 +44,16 @@ def model_geometry(cfg: Config, latent_channels: int, caption_channels: int) -> 
                        caption_length=cfg.text.max_length, depth=m.depth, hidden_size=m.hidden_size,
                        num_heads=m.num_heads, mlp_ratio=m.mlp_ratio, patch_size=tuple(m.patch_size),
                        qk_norm=m.qk_norm, pos_base_grid=m.pos_base_grid,
-                       temporal_pos_embed=m.temporal_pos_embed, pooled_caption=m.pooled_caption)
+                       temporal_pos_embed=m.temporal_pos_embed, pooled_caption=m.pooled_caption,
+                       position_embedding=m.position_embedding, null_caption_mask=m.null_caption_mask,
+                       bf16_timesteps=m.bf16_timesteps)
 
 
 def build_model(cfg: Config, vae, text) -> STDiT:
-    return STDiT(model_geometry(cfg, vae.latent_channels, text.dim))
+    """The model, with the parts ``model.freeze_*`` name excluded from training."""
+    model = STDiT(model_geometry(cfg, vae.latent_channels, text.dim))
+    if cfg.model.freeze_caption_embedder:
+        model.caption_embedder.requires_grad_(False)
+    if cfg.model.freeze_null_caption:
+        model.caption_embedder.null_caption.requires_grad_(False)
+    return model

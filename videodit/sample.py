@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from videodit.data.prompts import prepare_prompts
 from videodit.data.video import write_video
 from videodit.diffusion.rectified_flow import RectifiedFlow
 from videodit.errors import UserError
@@ -17,32 +19,93 @@ from videodit.errors import UserError
 @torch.no_grad()
 def generate(model, vae, text, flow: RectifiedFlow, prompts: list[str], *, num_frames: int,
              height: int, width: int, steps: int, guidance: float, fps: float, seed: int,
-             device: torch.device, batch_size: int = 16) -> np.ndarray:
-    """Sample one clip per prompt: uint8 [N, T, H, W, 3]."""
+             device: torch.device, batch_size: int = 16, reference: torch.Tensor | None = None) -> np.ndarray:
+    """Sample one clip per prompt: uint8 [N, T, H, W, 3]. ``reference``: pixel frames
+    [3, T_ref, height, width] in [-1, 1] that open every clip (image-to-video, continuation)."""
     model.eval()
     clips = []
     generator = torch.Generator().manual_seed(seed)
     t_lat, h_lat, w_lat = vae.latent_size(num_frames, height, width)
     ratio = flow.shift_ratio(height, width, t_lat)
+    given = None if reference is None else given_latents(model, vae, reference, t_lat, device)
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
         n = len(chunk)
         y, y_mask = text.encode(chunk)
         fps_t = torch.full((n,), float(fps), device=device)
-        keep, drop = torch.zeros(n, dtype=torch.bool, device=device), torch.ones(n, dtype=torch.bool, device=device)
         noise = torch.randn((n, vae.latent_channels, t_lat, h_lat, w_lat), generator=generator).to(device)
-
-        def cond(x, t):
-            return flow.model_velocity(model(x, t, y, y_mask, fps_t, keep).float(), x, t)
-
-        def uncond(x, t):
-            return flow.model_velocity(model(x, t, y, y_mask, fps_t, drop).float(), x, t)
-
-        latents = flow.sample(cond, noise, steps, ratio, guidance, uncond)
-        video = vae.decode(latents)[:, :, :num_frames]               # [N, 3, T, H, W] in [-1, 1]
+        latents = denoise(model, flow, noise, y, y_mask, steps=steps, guidance=guidance, ratio=ratio, fps=fps_t,
+                          height=height, width=width, given=given)
+        video = vae.decode(latents, num_frames)                      # [N, 3, T, H, W] in [-1, 1]
         frames = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
         clips.append(frames.permute(0, 2, 3, 4, 1).cpu().numpy())
     return np.concatenate(clips)
+
+
+def denoise(model, flow: RectifiedFlow, noise: torch.Tensor, y: torch.Tensor, y_mask: torch.Tensor, *, steps: int,
+            guidance: float, ratio: float = 1.0, fps: torch.Tensor | None = None, height=None,
+            width=None, given: "GivenFrames | None" = None) -> torch.Tensor:
+    """Latents from ``noise`` [N, C, T, H, W]: Euler steps with classifier-free guidance (the
+    unconditional half on the model's null caption). ``height``/``width``: the clip's pixel size,
+    which Open-Sora's position table needs. ``given``: conditioning frames, kept as given at
+    every step and marked for the model by ``x_mask``."""
+    n = noise.shape[0]
+    keep = torch.zeros(n, dtype=torch.bool, device=noise.device)
+    drop = torch.ones(n, dtype=torch.bool, device=noise.device)
+    x_mask = None if given is None else given.x_mask.expand(n, -1)
+
+    def velocity(dropped):
+        def v(x, t):
+            out = model(x, t, y, y_mask, fps, dropped, height=height, width=width, x_mask=x_mask)
+            return flow.model_velocity(out.float(), x, t)
+        return v
+
+    return flow.sample(velocity(keep), noise, steps, ratio, guidance, velocity(drop),
+                       given=None if given is None else given.put_back)
+
+
+@dataclass
+class GivenFrames:
+    """Latent frames that open every clip: ``latents`` [1, C, T, H, W] (zeros after the given
+    ones), ``x_mask`` [1, T'] over patched frames (False = given), ``latent_given`` [1, 1, T, 1, 1]."""
+    latents: torch.Tensor
+    x_mask: torch.Tensor
+    latent_given: torch.Tensor
+
+    def put_back(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.latent_given, self.latents.to(x.dtype), x)
+
+
+def given_latents(model, vae, reference: torch.Tensor, latent_frames: int, device) -> GivenFrames:
+    """Encode ``reference`` [3, T_ref, H, W] and place it at the start of a clip of
+    ``latent_frames``; only whole patched frames count as given (the rest is generated)."""
+    encoded = vae.encode(reference[None].to(device)).float()          # [1, C, T_given, h, w]
+    per_patch = model.geometry.patch_size[0]
+    patched = -(-latent_frames // per_patch)
+    given = encoded.shape[2] // per_patch
+    if given == 0 or given >= patched:
+        raise UserError(f"the reference gives {encoded.shape[2]} of {latent_frames} latent frames; it must give at "
+                        "least one whole patched frame and leave some to generate: change --ref-frames or "
+                        "--num-frames")
+    x_mask = torch.ones(1, patched, dtype=torch.bool, device=device)
+    x_mask[:, :given] = False
+    latents = torch.zeros(1, encoded.shape[1], latent_frames, *encoded.shape[3:], device=device)
+    latents[:, :, :given * per_patch] = encoded[:, :, :given * per_patch]
+    latent_given = ~x_mask.repeat_interleave(per_patch, 1)[:, :latent_frames]
+    return GivenFrames(latents, x_mask, latent_given[:, None, :, None, None])
+
+
+def read_reference(path: str, frames: int | None, height: int, width: int) -> torch.Tensor:
+    """The first ``frames`` frames of an image or video file (all of an image), resized and
+    centre-cropped to ``height`` x ``width``: [3, T_ref, H, W] in [-1, 1]."""
+    from videodit.data.dataset import clip_tensor
+    from videodit.data.video import VideoReadError, read_video
+
+    try:
+        clip, _ = read_video(path, indices=(lambda total: list(range(min(frames or total, total)))))
+    except VideoReadError as exc:
+        raise UserError(f"cannot read the reference {path!r}: {exc}; give an image or a video file") from None
+    return clip_tensor(clip, height, width)
 
 
 def slug(prompt: str, max_len: int = 48) -> str:
@@ -76,6 +139,9 @@ class Pipeline:
         stem = "ema" if use_ema and ckpt.has("ema") else "model"
         if ckpt.is_model_folder:   # an export: config.json (the model's arguments) + model.safetensors
             self.model = load_pretrained(ckpt.path, self.device)
+        elif self.cfg.lora.rank:   # a LoRA run's checkpoint: its adapters (peft) on the base it started from
+            from videodit.checkpoint.lora import adapted_model
+            self.model = adapted_model(ckpt, stem)
         else:
             self.model = build_model(self.cfg, self.vae, self.text)
             self.model.load_state_dict(ckpt.tensors(stem))
@@ -96,7 +162,10 @@ class Pipeline:
 
     def __call__(self, prompts: list[str], *, num_frames: int | None = None, height: int | None = None,
                  width: int | None = None, steps: int | None = None, guidance: float | None = None,
-                 fps: float | None = None, seed: int = 0) -> np.ndarray:
+                 fps: float | None = None, seed: int = 0, reference: str | None = None,
+                 reference_frames: int | None = None) -> np.ndarray:
+        """Clips for ``prompts``; ``reference``: an image or video file whose first
+        ``reference_frames`` frames (default: an image, or the first half of the clip) open them."""
         sample = self.cfg.sample
         size = self.resolve(num_frames, height, width)
         steps = sample.steps if steps is None else steps
@@ -104,5 +173,8 @@ class Pipeline:
         if min(size.values()) < 1 or steps < 1 or not (math.isfinite(guidance) and guidance >= 0):
             raise UserError(f"cannot sample {size} with {steps} steps and guidance {guidance}: sizes and steps "
                             "must be 1 or more and guidance a finite number >= 0")
+        prompts = prepare_prompts(prompts, sample.prompt_style, sample.aesthetic_score)
+        ref = None if reference is None else read_reference(
+            reference, reference_frames or max(1, size["num_frames"] // 2), size["height"], size["width"])
         return generate(self.model, self.vae, self.text, self.flow, prompts, **size, steps=steps,
-                        guidance=guidance, fps=fps or sample.fps, seed=seed, device=self.device)
+                        guidance=guidance, fps=fps or sample.fps, seed=seed, device=self.device, reference=ref)

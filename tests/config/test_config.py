@@ -42,6 +42,7 @@ def test_yaml_file_round_trip(tmp_path):
     ("memory.checkpointing=maybe", "memory.checkpointing"),
     ("model.patch_size=[1,2]", "model.patch_size must have 3 entries"),
     ("vae.kind=diffusers", "vae.path is required for vae.kind=diffusers"),
+    ("vae.kind=opensora-v1.2", "vae.path is required for vae.kind=opensora-v1.2"),
     ("train", "must look like key.sub=value"),
 ])
 def test_bad_values_name_the_key(override, message):

@@ -4,10 +4,12 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from conftest import tiny_overrides
 from videodit.cli import main
 from videodit.config import load_config
+from videodit.data.loader import build_training_data
 from videodit.data.metadata import read_metadata
 from videodit.errors import UserError
 from videodit.train.trainer import Trainer
@@ -57,6 +59,21 @@ def test_bucketed_training_uses_every_bucket_shape(mixed_toy, tmp_path):
     trainer.prepare = recording_prepare
     trainer.fit()
     assert {(1, 24, 24), (4, 24, 24), (1, 16, 16), (4, 16, 16)} <= shapes
+
+
+def test_loader_pins_batches_for_gpus(toy_dir, monkeypatch):
+    """On GPUs the loader hands over page-locked batches (the trainer's copies are then
+    asynchronous): DataLoader's pin_memory calls ``Batch.pin_memory``, which pins the tensors."""
+    cfg = load_config("tiny", tiny_overrides(toy_dir))
+    assert build_training_data(cfg.data, batch_size=2, seed=0, pin_memory=True).loader.pin_memory
+    data = build_training_data(cfg.data, batch_size=2, seed=0)
+    assert not data.loader.pin_memory
+    batch = next(iter(data.loader))
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *args: pinned.append(t) or t.clone())  # CPU torch
+    out = batch.pin_memory()
+    assert pinned[0] is batch.video and pinned[1] is batch.fps
+    assert torch.equal(out.video, batch.video) and out.text == batch.text and out.noise_seed == batch.noise_seed
 
 
 def break_files(toy, fraction=0.1):

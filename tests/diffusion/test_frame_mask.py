@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from videodit.config import DiffusionConfig
-from videodit.diffusion.frame_mask import KINDS, check_mask_ratios, draw_mask, draw_masks
+from videodit.diffusion.frame_mask import KINDS, FrameConditioning, check_mask_ratios, draw_mask, draw_masks
 from videodit.diffusion.rectified_flow import RectifiedFlow
 from videodit.errors import UserError
 
@@ -64,6 +64,14 @@ def test_masked_loss_averages_each_sample_over_its_generated_frames():
     mask[2, 4] = False
     expected = torch.stack([((out - target)[i][:, mask[i]] ** 2).mean() for i in range(3)]).mean()
     assert torch.allclose(flow.loss(out, x_t, t, target, mask), expected)
-    x0 = torch.randn(3, 4, 5, 2, 2)
-    kept = flow.keep_given_frames(x_t, x0, mask)
-    assert torch.equal(kept[0, :, :2], x0[0, :, :2]) and torch.equal(kept[0, :, 2:], x_t[0, :, 2:])
+
+
+def test_conditioning_keeps_given_frames_clean_and_out_of_the_loss():
+    flow = RectifiedFlow(DiffusionConfig())
+    conditioning = FrameConditioning({"image_head": 1.0}, frames_per_patch=2)
+    x0, x_t, out, target = (torch.randn(2, 4, 5, 2, 2) for _ in range(4))
+    kept, x_mask = conditioning.apply(x_t, x0, torch.Generator().manual_seed(0))
+    assert x_mask.tolist() == [[False, True, True]] * 2            # 5 latent frames -> 3 patched
+    assert torch.equal(kept[:, :, :2], x0[:, :, :2]) and torch.equal(kept[:, :, 2:], x_t[:, :, 2:])
+    loss = conditioning.loss(flow.loss)(out, kept, torch.rand(2), target, x_mask)
+    assert torch.allclose(loss, ((out - target)[:, :, 2:] ** 2).mean())

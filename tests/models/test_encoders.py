@@ -399,3 +399,17 @@ def test_build_text_encoder_unknown_kind():
     expected = r"text\.kind='clip' is not supported; choose one of: toy, transformers"
     with pytest.raises(UserError, match=expected):
         build_text_encoder("clip")
+
+
+def test_text_dtype_bf16_halves_the_weights_and_keeps_fp32_embeddings(t5_dir):
+    from videodit.components import build_encoders
+    from videodit.config import load_config
+
+    cfg = load_config("tiny", ["text.kind=transformers", f"text.path={t5_dir}", "text.max_length=6", "text.dtype=bf16"])
+    _, bf16 = build_encoders(cfg, torch.device("cpu"))
+    fp32 = build_text_encoder("transformers", str(t5_dir), max_length=6)
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.bfloat16}
+    emb16, mask16 = bf16.encode(["a red circle", "zzz"])
+    emb32, mask32 = fp32.encode(["a red circle", "zzz"])
+    assert emb16.dtype == torch.float32 and torch.equal(mask16, mask32)
+    assert torch.allclose(emb16, emb32, atol=0.05, rtol=0.05) and not torch.equal(emb16, emb32)

@@ -41,8 +41,8 @@ def base(toy_dir, **extra):
     return tiny_overrides(toy_dir, **values)
 
 
-def run_layouts(toy_dir, tmp_path, nproc: int, runs: dict[str, list[str]]) -> dict[str, dict]:
-    spec = {"out": str(tmp_path), "runs": [{"name": name, "overrides": overrides, "steps": STEPS}
+def run_layouts(toy_dir, tmp_path, nproc: int, runs: dict[str, list[str]], steps: int = STEPS) -> dict[str, dict]:
+    spec = {"out": str(tmp_path), "runs": [{"name": name, "overrides": overrides, "steps": steps}
                                            for name, overrides in runs.items()]}
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps(spec))
@@ -51,11 +51,11 @@ def run_layouts(toy_dir, tmp_path, nproc: int, runs: dict[str, list[str]]) -> di
     return {name: torch.load(tmp_path / f"{name}.pt") for name in runs}
 
 
-def single_process(overrides: list[str], run_dir: Path) -> tuple[dict, list[float]]:
+def single_process(overrides: list[str], run_dir: Path, steps: int = STEPS) -> tuple[dict, list[float]]:
     trainer = Trainer(load_config("tiny", overrides), run_dir)
     batches = trainer.batches()
     accum = trainer.cfg.train.grad_accum
-    losses = [trainer.train_step([next(batches) for _ in range(accum)])[0] for _ in range(STEPS)]
+    losses = [trainer.train_step([next(batches) for _ in range(accum)])[0] for _ in range(steps)]
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, losses
 
 

@@ -17,6 +17,7 @@ import yaml
 from conftest import tiny_overrides
 from videodit.cli import main
 from videodit.config import load_config
+from videodit.models.temporal_vae import latent_frames
 from videodit.planner.estimate import Parallel, Precision, block_activation_bytes
 from videodit.planner.measure import LiveMemory, measure_trainer, synthetic_batch
 from videodit.planner.plan import LatentGeometry, planner_from_config
@@ -192,8 +193,17 @@ def test_parse_bytes_units():
 
 def test_latent_geometry_follows_opensora_chunks():
     vae = LatentGeometry.parse("opensora-v1.2")
-    assert [vae.frames(n) for n in (1, 17, 51, 102)] == [1, 5, 15, 30]
+    # 17-frame pieces, each front-padded to a multiple of 4: 16 -> 4, 20 -> 5 + 1, 34 -> 5 + 5.
+    assert [vae.frames(n) for n in (1, 4, 5, 16, 17, 20, 34, 51, 102)] == [1, 1, 2, 4, 5, 6, 10, 15, 30]
+    assert all(vae.frames(n) == latent_frames(n) for n in range(1, 420))   # the VAE's own rule
     assert LatentGeometry.parse("4,4,8").frames(51) == 13
+
+
+def test_opensora_vae_kind_needs_no_latent_option():
+    cfg = load_config("opensora-v1.2-stage1")
+    assert cfg.vae.kind == "opensora-v1.2"
+    planner = planner_from_config(cfg, 80 * 2**30, caption=(4096, 300), encoder_bytes=0)
+    assert planner.latent == LatentGeometry.parse("opensora-v1.2")
 
 
 @pytest.mark.parametrize("capacity", [0, 1, 5, 37, 4096, 10**6])

@@ -157,6 +157,14 @@ def test_every_logged_step_reports_tflops_and_mfu_where_a_peak_is_known(toy_dir,
     assert len(records) == 4 and all(r["tflops"] > 0 and "mfu" not in r for r in records)   # CPU: no peak
     records = [json.loads(line) for line in (with_peak / "metrics.jsonl").read_text().splitlines()]
     assert all(r["mfu"] == pytest.approx(r["tflops"] / 0.5, abs=1e-3) for r in records)
+    # TensorBoard shows both, at every logged step.
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    steps = {}
+    for events in (with_peak / "tensorboard").iterdir():
+        for event in EventFileLoader(str(events)).Load():
+            for value in event.summary.value:
+                steps.setdefault(value.tag, []).append(event.step)
+    assert steps["train/tflops"] == steps["train/mfu"] == [1, 2, 3, 4]
 
     # The rate is the FLOP model's count of the samples seen over the time they took.
     cfg = load_config("tiny", tiny_overrides(toy_dir))

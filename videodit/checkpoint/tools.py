@@ -3,7 +3,7 @@ an atomic export of the weights for sampling or sharing.
 
     list_run(run_dir) -> rows          format_list(rows) -> str
     inspect(ckpt) -> dict              format_inspect(info) -> str
-    export(ckpt, out_dir, use_ema=False, dtype="fp32") -> Path
+    export(ckpt, out_dir, use_ema=False, dtype="fp32") -> Path   (Open-Sora's format: convert.py)
 
 None of these unpickles anything: tensors are read from safetensors headers (parsed by
 ``loaded.py``) or files, and the optimizer state is never loaded. ``list`` and ``inspect`` read every file of a checkpoint
@@ -23,6 +23,7 @@ import yaml
 from videodit.checkpoint.io import (EXPORT_RECORD, EXPORT_RUN_CONFIG, STAGING_PREFIX, damaged_files,
                                     describe_os_error, list_checkpoints, read_manifest, warn)
 from videodit.checkpoint.loaded import LoadedCheckpoint
+from videodit.checkpoint.lora import adapted_model, lora_config, merge_record, merged_run_config
 from videodit.checkpoint.manager import best_checkpoints, read_events
 from videodit.checkpoint.writer import fsync_path, write_safetensors
 from videodit.components import model_geometry
@@ -169,6 +170,7 @@ def inspect(ckpt: str | Path) -> dict:
         last_lr = scheduler.get("_last_lr") if isinstance(scheduler.get("_last_lr"), list) else [None]
         info["state"] = {"step": state.get("step"), "epoch": state.get("epoch"), "data_offset": data.get("offset"),
                          "lr": (last_lr or [None])[0], "keys": sorted(state)}
+        info["lora"] = _lora_info(loaded, damaged)
     config = {}
     if "config.yaml" not in damaged and (loaded.is_export or "config.yaml" in loaded.manifest["files"]):
         try:
@@ -195,6 +197,16 @@ def inspect(ckpt: str | Path) -> dict:
     return info
 
 
+def _lora_info(loaded: LoadedCheckpoint, damaged: dict) -> dict | None:
+    """A LoRA run's settings and base (checkpoint/lora.py), or None."""
+    if damaged.keys() & {"config.yaml", "state.json"}:
+        return None
+    try:
+        return merge_record(loaded) if lora_config(loaded) is not None else None
+    except UserError:
+        return None
+
+
 def format_inspect(info: dict, max_tensors: int = 12) -> str:
     """Text for :func:`inspect` output; lists at most ``max_tensors`` tensor names per file."""
     lines = [f"{info['kind']}: {info['path']}", f"step: {info['step']}"]
@@ -207,6 +219,9 @@ def format_inspect(info: dict, max_tensors: int = 12) -> str:
     if info.get("state"):
         s = info["state"]
         lines.append(f"state: epoch={s['epoch']} data offset={s['data_offset']} global batches lr={_fmt(s['lr'])}")
+    if info.get("lora"):
+        lora = info["lora"]
+        lines.append(f"LoRA: rank {lora['rank']}, alpha {lora['alpha']:g}: adapters only, on the base {lora['base']}")
     if info.get("export"):
         lines.append("export: " + " ".join(f"{k}={v}" for k, v in info["export"].items()))
     manifest = info["manifest"]
@@ -238,7 +253,8 @@ def format_inspect(info: dict, max_tensors: int = 12) -> str:
 # ---------------------------------------------------------------------------- export
 
 
-def export(ckpt: str | Path, out_dir: str | Path, use_ema: bool = False, dtype: str = "fp32") -> Path:
+def export(ckpt: str | Path, out_dir: str | Path, use_ema: bool = False, dtype: str = "fp32",
+           merge_lora: bool = False) -> Path:
     """Write a model folder for sampling, atomically: ``config.json`` (the model's arguments,
     as ``STDiT.save_pretrained`` writes it; ``videodit.models.load_pretrained`` reads it),
     ``model.safetensors``, the run's config (``run_config.yaml``: encoders, sampling defaults)
@@ -246,28 +262,62 @@ def export(ckpt: str | Path, out_dir: str | Path, use_ema: bool = False, dtype: 
 
     ``use_ema`` takes the EMA weights when the checkpoint has them (else the model weights,
     with a warning); floating-point tensors are cast to ``dtype`` (fp32, bf16, fp16).
+    ``merge_lora``: a LoRA run's checkpoint, its adapters merged into its base (a whole model).
     ``out_dir`` must not exist or be empty; nothing is left behind on failure.
     """
+    target = export_dtype(dtype)
+    check_new_folder(out_dir)
+    loaded = LoadedCheckpoint(ckpt)
+    tensors, weights = checkpoint_weights(loaded, use_ema, merge_lora)
+    tensors = {k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()}
+    run_config = merged_run_config(loaded.config_yaml()) if merge_lora else loaded.config_yaml()
+    files = {"config.json": json.dumps(geometry_config(run_geometry(run_config, tensors)), indent=1) + "\n",
+             EXPORT_RUN_CONFIG: run_config,
+             EXPORT_RECORD: json.dumps({"step": loaded.step, "weights": weights, "dtype": dtype,
+                                        "source": str(loaded.path),
+                                        **({"merged_lora": merge_record(loaded)} if merge_lora else {})},
+                                       indent=1) + "\n"}
+    return write_model_folder(out_dir, tensors, files)
+
+
+def export_dtype(dtype: str) -> torch.dtype:
     if dtype not in EXPORT_DTYPES:
         raise UserError(f"dtype={dtype!r} is not an export dtype; choose one of: {', '.join(EXPORT_DTYPES)}")
+    return EXPORT_DTYPES[dtype]
+
+
+def check_new_folder(out_dir: str | Path) -> None:
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UserError(f"{out_dir} already exists and is not empty; pass a new output folder or delete it")
-    loaded = LoadedCheckpoint(ckpt)
+
+
+def checkpoint_weights(loaded: LoadedCheckpoint, use_ema: bool,
+                       merge_lora: bool = False) -> tuple[dict[str, torch.Tensor], str]:
+    """The model's tensors of a checkpoint and which weights they are ("ema" or "model"). A LoRA
+    run's checkpoint holds adapters only: ``merge_lora`` merges them into their base (else refused)."""
     weights = "ema" if use_ema and loaded.has("ema") else "model"
     if use_ema and weights == "model":
         warn(f"{loaded.path} has no EMA weights; exporting the model weights")
+    if lora_config(loaded) is not None:
+        if not merge_lora:
+            raise UserError(f"{loaded.path} is a LoRA checkpoint (adapters only): pass --merge-lora to write its "
+                            "base with the adapters merged in")
+        return adapted_model(loaded, weights, merge=True).state_dict(), weights
+    if merge_lora:
+        raise UserError(f"{loaded.path} is not a LoRA checkpoint (its lora.rank is 0); leave out --merge-lora")
     tensors = loaded.tensors("model")   # every read checks the file against the manifest
     if weights == "ema":
         tensors.update(loaded.tensors("ema"))   # EMA covers the parameters; buffers come from the model
-    target = EXPORT_DTYPES[dtype]
-    tensors = {k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()}
-    run_config = loaded.config_yaml()
-    files = {"config.json": json.dumps(geometry_config(_geometry(run_config, tensors)), indent=1) + "\n",
-             EXPORT_RUN_CONFIG: run_config,
-             EXPORT_RECORD: json.dumps({"step": loaded.step, "weights": weights, "dtype": dtype,
-                                        "source": str(loaded.path)}, indent=1) + "\n"}
+    return tensors, weights
 
+
+def write_model_folder(out_dir: str | Path, tensors: dict[str, torch.Tensor], files: dict[str, str],
+                       verb: str = "export") -> Path:
+    """``tensors`` as ``model.safetensors`` and the text ``files`` in the new folder ``out_dir``,
+    atomically: written into a staging folder, fsynced and renamed; nothing is left on failure."""
+    out_dir = Path(out_dir)
+    check_new_folder(out_dir)
     parent = out_dir.parent
     staging = parent / f"{STAGING_PREFIX}{out_dir.name}-{os.getpid()}"
     try:
@@ -287,9 +337,9 @@ def export(ckpt: str | Path, out_dir: str | Path, use_ema: bool = False, dtype: 
         shutil.rmtree(staging, ignore_errors=True)
         what, kind = describe_os_error(exc)
         fix = {"space": f"free space in {parent}",
-               "permission": f"make {parent} writable or export to a writable folder",
-               "other": f"fix the problem with {parent} and export again"}[kind]
-        message = " ".join(f"export failed: {what}; {fix}; nothing was written to {out_dir}".split())
+               "permission": f"make {parent} writable or {verb} to a writable folder",
+               "other": f"fix the problem with {parent} and {verb} again"}[kind]
+        message = " ".join(f"{verb} failed: {what}; {fix}; nothing was written to {out_dir}".split())
         raise UserError(message) from exc
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -297,7 +347,7 @@ def export(ckpt: str | Path, out_dir: str | Path, use_ema: bool = False, dtype: 
     return out_dir
 
 
-def _geometry(run_config: str, tensors: dict[str, torch.Tensor]) -> DiTGeometry:
+def run_geometry(run_config: str, tensors: dict[str, torch.Tensor]) -> DiTGeometry:
     """The model's arguments: sizes from the run's config, the encoders' widths from the
     weights (so no encoder has to be loaded to export)."""
     cfg = from_yaml(run_config, "the checkpoint's config.yaml")

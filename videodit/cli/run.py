@@ -55,7 +55,8 @@ def cmd_sample(ns) -> int:
         raise UserError(f"mp4 needs an even height and width, got {size['height']}x{size['width']}; pass even "
                         "--height/--width, or --gif")
     try:
-        clips = pipeline(prompts, **size, steps=ns.steps, guidance=ns.cfg, seed=ns.seed)
+        clips = pipeline(prompts, **size, steps=ns.steps, guidance=ns.cfg, seed=ns.seed, reference=ns.ref,
+                         reference_frames=ns.ref_frames)
     except (MemoryError, RuntimeError) as exc:   # CUDA's OutOfMemoryError is a RuntimeError
         if not out_of_memory(exc):
             raise
@@ -104,6 +105,10 @@ def register(sub) -> None:
     p.add_argument("--steps", type=positive_int, help="Euler steps (default: sample.steps)")
     p.add_argument("--cfg", type=guidance, help="classifier-free guidance scale, >= 0 (default: sample.cfg)")
     p.add_argument("--seed", type=int, default=0, help="noise seed")
+    p.add_argument("--ref", metavar="IMAGE_OR_CLIP", help="frames that open every clip: an image (image-to-video) "
+                   "or a video (continuation); needs a model trained with diffusion.mask_ratios or Open-Sora 1.2's")
+    p.add_argument("--ref-frames", type=positive_int, help="frames of --ref to use (default: all of an image, the "
+                   "first half of the clip's frames of a video)")
     p.add_argument("--out", default="samples", help="output folder, or a .mp4/.gif file for one prompt")
     p.add_argument("--gif", action="store_true", help="write gif instead of mp4")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))

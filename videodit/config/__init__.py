@@ -4,10 +4,10 @@
 from videodit.config.load import (builtin_presets, describe, from_dict, from_yaml, load_config, parse_override,
                                   to_dict, to_yaml)
 from videodit.config.schema import (MODEL_PRESETS, CheckpointConfig, Config, DataConfig, DiffusionConfig,
-                                    MemoryConfig, ModelConfig, ParallelConfig, SampleConfig, TextConfig,
+                                    LoraConfig, MemoryConfig, ModelConfig, ParallelConfig, SampleConfig, TextConfig,
                                     ToyConfig, TrainConfig, ValidationConfig, VAEConfig)
 
-__all__ = ["MODEL_PRESETS", "CheckpointConfig", "Config", "DataConfig", "DiffusionConfig", "MemoryConfig",
+__all__ = ["MODEL_PRESETS", "CheckpointConfig", "Config", "DataConfig", "DiffusionConfig", "LoraConfig", "MemoryConfig",
            "ModelConfig", "ParallelConfig", "SampleConfig", "TextConfig", "ToyConfig", "TrainConfig",
            "ValidationConfig", "VAEConfig", "builtin_presets", "describe", "from_dict", "from_yaml", "load_config",
            "parse_override", "to_dict", "to_yaml"]

@@ -219,6 +219,9 @@ def _check_consistency(cfg: Config) -> None:
     if cfg.vae.kind == "diffusers" and not cfg.vae.path:
         raise UserError("vae.path is required for vae.kind=diffusers: point it to a local diffusers "
                         "autoencoder folder (nothing is downloaded)")
+    if cfg.vae.kind == "opensora-v1.2" and not cfg.vae.path:
+        raise UserError("vae.path is required for vae.kind=opensora-v1.2: point it to the downloaded "
+                        "hpcai-tech/OpenSora-VAE-v1.2 folder (nothing is downloaded)")
     if cfg.text.kind == "transformers" and not cfg.text.path:
         raise UserError("text.path is required for text.kind=transformers: point it to a local "
                         "transformers encoder folder (nothing is downloaded)")

@@ -28,12 +28,20 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "S": dict(depth=12, hidden_size=384, num_heads=6, mlp_ratio=4.0, patch_size=[1, 2, 2]),
     "B": dict(depth=12, hidden_size=768, num_heads=12, mlp_ratio=4.0, patch_size=[1, 2, 2]),
     "XL": dict(depth=28, hidden_size=1152, num_heads=16, mlp_ratio=4.0, patch_size=[1, 2, 2]),
+    # XL computing exactly what Open-Sora 1.2's STDiT3 computes: for its released weights.
+    "opensora-v1.2": dict(depth=28, hidden_size=1152, num_heads=16, mlp_ratio=4.0, patch_size=[1, 2, 2],
+                          position_embedding="opensora", null_caption_mask="prompt", bf16_timesteps=True,
+                          freeze_null_caption=True),
 }
+# The model options a preset may set, where it does not: videodit's own behaviour.
+MODEL_OPTION_DEFAULTS: dict[str, Any] = dict(position_embedding="videodit", null_caption_mask="full",
+                                             bf16_timesteps=False, freeze_null_caption=False)
 
 
 @dataclass
 class ModelConfig:
-    preset: str = opt("tiny", "model geometry preset: tiny, S, B or XL; fields set below override it",
+    preset: str = opt("tiny", "model geometry preset: tiny, S, B, XL or opensora-v1.2 (XL with Open-Sora 1.2's "
+                      "options, for its weights); fields set below override it",
                       choices=tuple(MODEL_PRESETS))
     depth: Optional[int] = opt(None, "number of spatial+temporal block pairs (default: from preset)", min=1)
     hidden_size: Optional[int] = opt(None, "transformer width (default: from preset)", min=1)
@@ -47,13 +55,25 @@ class ModelConfig:
                                    "temporal RoPE)")
     pooled_caption: bool = opt(False, "add the mean caption embedding (through a small MLP) to the timestep "
                                "embedding, so the caption also drives adaLN (PixArt/SD3)")
+    position_embedding: Optional[str] = opt(None, "2D position table: videodit (from the patch grid) or opensora "
+                                            "(Open-Sora 1.2's, from the clip's pixel size) (default: from preset)",
+                                            choices=("videodit", "opensora"))
+    null_caption_mask: Optional[str] = opt(None, "tokens of the CFG null caption attended to: full (all) or prompt "
+                                           "(under the prompt's mask, as Open-Sora) (default: from preset)",
+                                           choices=("full", "prompt"))
+    bf16_timesteps: Optional[bool] = opt(None, "round t*1000 to bf16 before the timestep embedding, as Open-Sora "
+                                         "does in bf16 (its weights were trained so) (default: from preset)")
+    freeze_null_caption: Optional[bool] = opt(None, "never train the null caption (Open-Sora's is a fixed buffer) "
+                                              "(default: from preset)")
+    freeze_caption_embedder: bool = opt(False, "never train the caption projection nor the null caption "
+                                        "(Open-Sora's freeze_y_embedder)")
     init_from: Optional[str] = opt(None, "start from these weights (a checkpoint or an exported model folder; its "
                                    "EMA weights if it has them): weights only, with a fresh optimizer, data "
                                    "position and step, unlike resume")
 
     def resolved(self) -> "ModelConfig":
         """A copy with every preset-derived field filled in."""
-        preset = MODEL_PRESETS[self.preset]
+        preset = {**MODEL_OPTION_DEFAULTS, **MODEL_PRESETS[self.preset]}
         filled = {k: (v if v is not None else preset.get(k)) for k, v in dataclasses.asdict(self).items()}
         return ModelConfig(**filled)
 
@@ -75,6 +95,9 @@ class DiffusionConfig:
                           "and motion are not drowned by low-noise ones)", choices=("velocity", "data"))
     caption_dropout: float = opt(0.1, "probability of training on the null caption (enables CFG)",
                                  min=0.0, max=1.0)
+    mask_ratios: Optional[dict] = opt(None, "image/video conditioning as Open-Sora 1.2 trains it: mask kind -> "
+                                      "probability (random, intepolate, quarter_head, image_head, ...; the rest "
+                                      "is identity); given frames stay clean and out of the loss")
 
 
 @dataclass
@@ -99,6 +122,8 @@ class DataConfig:
                                   min=0.0, max=1.0)
     on_change: str = opt("error", "on resume with a changed dataset or bucket config: error or "
                          "restart_epoch", choices=("error", "restart_epoch"))
+    cache: Optional[str] = opt(None, "feature cache folder (videodit cache build): train on its stored latents and "
+                               "caption embeddings; no VAE or text encoder is built, data.csv is not read")
 
 
 @dataclass
@@ -112,12 +137,16 @@ class ToyConfig:
 
 @dataclass
 class VAEConfig:
-    kind: str = opt("identity", "identity (pixels as latents) or diffusers (local folder)",
-                    choices=("identity", "diffusers"))
-    path: Optional[str] = opt(None, "local diffusers autoencoder folder (vae.kind=diffusers)")
+    kind: str = opt("identity", "identity (pixels as latents), diffusers (local folder) or opensora-v1.2 "
+                    "(Open-Sora 1.2's VAE folder, hpcai-tech/OpenSora-VAE-v1.2)",
+                    choices=("identity", "diffusers", "opensora-v1.2"))
+    path: Optional[str] = opt(None, "local autoencoder folder (vae.kind=diffusers or opensora-v1.2)")
     subfolder: Optional[str] = opt(None, "subfolder of vae.path holding the autoencoder")
-    scaling_factor: Optional[float] = opt(None, "latent scale (default: the model's own config)")
-    micro_batch: int = opt(16, "frames encoded at once by per-frame VAEs", min=1)
+    scaling_factor: Optional[float] = opt(None, "latent scale (default: the model's own config; not for "
+                                          "opensora-v1.2, which uses its checkpoint's shift and scale)")
+    micro_batch: int = opt(16, "frames per pass of a per-frame VAE (opensora-v1.2: of its SD-VAE)", min=1)
+    temporal_micro_batch: int = opt(4, "17-frame pieces per pass of Open-Sora 1.2's temporal VAE (pieces of "
+                                    "all clips in a batch are encoded together; vae.kind=opensora-v1.2)", min=1)
 
 
 @dataclass
@@ -127,6 +156,9 @@ class TextConfig:
     path: Optional[str] = opt(None, "local transformers encoder folder (text.kind=transformers)")
     max_length: int = opt(8, "caption tokens (padded / truncated)", min=1)
     dim: int = opt(64, "embedding width of the toy encoder", min=1)
+    dtype: str = opt("fp32", "weights and compute of a transformers encoder: bf16 halves T5-XXL (9.5 GB instead "
+                     "of 19; Open-Sora encodes in bf16); embeddings come out in fp32 either way",
+                     choices=("fp32", "bf16", "fp16"))
 
 
 @dataclass
@@ -186,6 +218,22 @@ class MemoryConfig:
             return []
         candidates = list(range(0, num_blocks, self.checkpoint_every))
         return candidates[: math.ceil(len(candidates) * self.checkpoint_fraction - 1e-9)]
+
+
+# What LoRA adapts by default: every block's self-attention projections and its MLP (module
+# paths inside each spatial and temporal block; see models/lora.py).
+LORA_TARGETS = ["attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc1", "mlp.fc2"]
+
+
+@dataclass
+class LoraConfig:
+    rank: int = opt(0, "LoRA rank (0 = off: full fine-tuning); >0 trains low-rank adapters (peft) on a frozen base "
+                    "given by model.init_from; checkpoints then hold only the adapters", min=0)
+    alpha: Optional[float] = opt(None, "LoRA scale numerator: adapter outputs are scaled by alpha/rank (default: "
+                                 "the rank, i.e. scale 1)", min=0.0)
+    dropout: float = opt(0.0, "dropout on the adapters' inputs", min=0.0, max=1.0)
+    targets: list[str] = opt(LORA_TARGETS, "Linear layers that get adapters: a path inside every block (attn.q, "
+                             "cross_attn.k, mlp.fc1, ...) or a full module path (t_block.1)", nonempty=True)
 
 
 @dataclass
@@ -248,6 +296,11 @@ class SampleConfig:
     cfg: float = opt(4.0, "classifier-free guidance scale (1 = off)", min=0.0)
     fps: int = opt(8, "frames per second given to the model and written (match the training clips' "
                    "fps / data.frame_interval)", min=1)
+    prompt_style: str = opt("plain", "plain (prompts as given) or opensora (Open-Sora 1.2's inference: the "
+                            "aesthetic score appended, then its caption cleaning, lower case included)",
+                            choices=("plain", "opensora"))
+    aesthetic_score: Optional[float] = opt(6.5, "with prompt_style=opensora: 'aesthetic score: X.' appended "
+                                           "(null: none)")
 
 
 @dataclass
@@ -264,5 +317,6 @@ class Config:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     resume: Optional[str] = opt(None, "auto (newest checkpoint in the run folder) or a checkpoint path")

@@ -9,6 +9,7 @@ sample (``failed``) so the trainer can count it, even from DataLoader workers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import sys
@@ -239,6 +240,10 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.text)
+
+    def pin_memory(self) -> "Batch":
+        """The batch in page-locked memory (what ``DataLoader(pin_memory=True)`` calls)."""
+        return dataclasses.replace(self, video=self.video.pin_memory(), fps=self.fps.pin_memory())
 
 
 def collate(samples: list[dict]) -> Batch:

@@ -27,7 +27,10 @@ class TrainData:
 
 
 def build_training_data(data: DataConfig, *, batch_size: int, seed: int, dp_rank: int = 0,
-                        dp_size: int = 1) -> TrainData:
+                        dp_size: int = 1, pin_memory: bool = False) -> TrainData:
+    """``pin_memory`` (on GPUs): the loader hands over batches in page-locked memory, so that
+    their host-to-device copy is asynchronous (``non_blocking``); with workers a thread of the
+    loader pins each batch while the previous step runs."""
     meta = read_metadata(data.csv, bad_rows=data.bad_rows, cache=data.metadata_cache, progress=True)
     plan = BucketPlan(meta, data, batch_size, seed)
     dataset = VideoDataset(meta, plan, data.frame_interval, seed=seed)
@@ -41,7 +44,7 @@ def build_training_data(data: DataConfig, *, batch_size: int, seed: int, dp_rank
                         f"none with a batch size's worth x {dp_size} rank(s); lower the batch sizes or add data "
                         "(videodit buckets META.csv --config CONFIG shows where samples go)")
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=data.num_workers,
-                        persistent_workers=False)
+                        persistent_workers=False, pin_memory=pin_memory)
     return TrainData(meta, plan, dataset, sampler, loader)
 
 

@@ -76,3 +76,32 @@ def draw_masks(ratios: dict[str, float], batch: int, frames: int, generator: tor
     weights = torch.tensor([ratios[k] for k in kinds], dtype=torch.float64).clamp(min=0)
     picks = torch.multinomial(weights, batch, replacement=True, generator=generator)
     return torch.stack([draw_mask(kinds[i], frames, generator) for i in picks.tolist()])
+
+
+class FrameConditioning:
+    """Training with given frames (``diffusion.mask_ratios``): per batch, draw the masks over
+    patched frames, keep the given latent frames clean, and leave them out of the loss."""
+
+    def __init__(self, ratios: dict, frames_per_patch: int):
+        self.ratios = check_mask_ratios(ratios)
+        self.frames_per_patch = frames_per_patch
+
+    def latent_mask(self, x_mask: torch.Tensor, latent_frames: int) -> torch.Tensor:
+        """A mask over patched frames [B, T'] -> over latent frames [B, T]."""
+        return x_mask.repeat_interleave(self.frames_per_patch, dim=1)[:, :latent_frames]
+
+    def apply(self, x_t: torch.Tensor, x0: torch.Tensor,
+              generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x_t with the given frames clean, the model's x_mask [B, T'])."""
+        frames = x0.shape[2]
+        patched = -(-frames // self.frames_per_patch)
+        x_mask = draw_masks(self.ratios, x0.shape[0], patched, generator).to(x0.device)
+        latent = self.latent_mask(x_mask, frames)[:, None, :, None, None]
+        return torch.where(latent, x_t, x0), x_mask
+
+    def loss(self, loss_fn):
+        """``loss_fn(output, x_t, t, target, frame_mask)`` taking the model's x_mask instead."""
+        def masked(output, x_t, t, target, x_mask=None):
+            mask = None if x_mask is None else self.latent_mask(x_mask, output.shape[2])
+            return loss_fn(output, x_t, t, target, mask)
+        return masked

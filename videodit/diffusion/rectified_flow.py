@@ -86,25 +86,23 @@ class RectifiedFlow:
         counted = weight.flatten(1).sum(1) * error[:, :, 0].numel() / error.shape[0]   # frames x C*H*W
         return (per_sample / counted).mean()
 
-    @staticmethod
-    def keep_given_frames(x_t: torch.Tensor, x0: torch.Tensor, frame_mask: torch.Tensor) -> torch.Tensor:
-        """``x_t`` with the given frames (False in ``frame_mask`` [B, T']) clean: conditioning."""
-        return torch.where(frame_mask[:, None, :, None, None], x_t, x0)
-
     def sample(self, velocity: VelocityFn, noise: torch.Tensor, steps: int, ratio: float = 1.0,
-               guidance: float = 1.0, uncond_velocity: VelocityFn | None = None) -> torch.Tensor:
+               guidance: float = 1.0, uncond_velocity: VelocityFn | None = None,
+               given: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """Euler integration from t=1 (``noise``) to t=0.
 
         With ``uncond_velocity`` and ``guidance`` != 1, classifier-free guidance:
-        ``v = v_uncond + guidance * (v_cond - v_uncond)``.
+        ``v = v_uncond + guidance * (v_cond - v_uncond)``. ``given(x)`` puts conditioning frames
+        back into ``x`` at the start and after every step (Open-Sora re-inserts them so).
         """
+        given = given or (lambda x: x)
         times = self.shift(torch.linspace(1.0, 0.0, steps + 1), ratio)
-        x = noise
+        x = given(noise)
         for t_now, t_next in zip(times[:-1], times[1:]):
             t_batch = torch.full((x.shape[0],), float(t_now), device=x.device)
             v = velocity(x, t_batch)
             if uncond_velocity is not None and guidance != 1.0:
                 v_uncond = uncond_velocity(x, t_batch)
                 v = v_uncond + guidance * (v - v_uncond)
-            x = x + (t_next - t_now).item() * v
+            x = given(x + (t_next - t_now).item() * v)
         return x

@@ -132,16 +132,24 @@ def sinusoidal_embedding(values: torch.Tensor, dim: int, max_period: float = 100
 
 
 class ScalarEmbedder(nn.Module):
-    """Embeds a scalar per sample (diffusion time, fps) with sin/cos features and an MLP."""
+    """Embeds a scalar per sample (diffusion time, fps) with sin/cos features and an MLP.
 
-    def __init__(self, dim: int, freq_dim: int = 256, scale: float = 1.0):
+    ``round_to``: round ``values * scale`` to this dtype first. Open-Sora casts t*1000 to the
+    model's dtype before embedding, so in bf16 its models were trained on rounded timesteps
+    (870 -> 872)."""
+
+    def __init__(self, dim: int, freq_dim: int = 256, scale: float = 1.0, round_to: torch.dtype | None = None):
         super().__init__()
         self.freq_dim = freq_dim
         self.scale = scale
+        self.round_to = round_to
         self.mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
 
     def forward(self, values: torch.Tensor) -> torch.Tensor:
-        features = sinusoidal_embedding(values * self.scale, self.freq_dim)
+        values = values * self.scale
+        if self.round_to is not None:
+            values = values.to(self.round_to)
+        features = sinusoidal_embedding(values, self.freq_dim)
         return self.mlp(features.to(self.mlp[0].weight.dtype))
 
 
@@ -160,3 +168,30 @@ def sincos_2d(height: int, width: int, dim: int, base_grid: int, device=None) ->
     emb_r = sinusoidal_embedding(grid_r.flatten(), dim // 2)
     emb_c = sinusoidal_embedding(grid_c.flatten(), dim // 2)
     return torch.cat([emb_r, emb_c], dim=-1)
+
+
+OPENSORA_BASE_PIXELS = 512   # STDiT3's input_sq_size: the clip side at which positions are unscaled
+
+
+def opensora_sincos_2d(height: int, width: int, dim: int, pixel_height: float, pixel_width: float,
+                       device=None) -> torch.Tensor:
+    """[H*W, dim] positions of Open-Sora 1.2's ``PositionEmbedding2D``, op for op.
+
+    Both axes span ``round(sqrt(H*W))`` grid units divided by ``sqrt(pixel_height*pixel_width)/512``,
+    so the table depends on the clip's pixel size, not only on the latent grid (which may be
+    padded to the patch). Features are ``[sin(col), cos(col), sin(row), cos(row)]``.
+    """
+    scale = (pixel_height * pixel_width) ** 0.5 / OPENSORA_BASE_PIXELS
+    base_size = round((height * width) ** 0.5)
+    half = dim // 2
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, half, 2, device=device).float() / half))
+    rows = torch.arange(height, device=device) / scale
+    cols = torch.arange(width, device=device) / scale
+    rows *= base_size / height
+    cols *= base_size / width
+
+    def sin_cos(values):
+        angles = values[:, None] * inv_freq[None]
+        return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+    return torch.cat([sin_cos(cols.repeat(height)), sin_cos(rows.repeat_interleave(width))], dim=-1)

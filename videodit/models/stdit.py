@@ -7,6 +7,10 @@ position attend to each other, with rotary positions over time). Every block als
 cross-attends to the caption tokens. The diffusion time (plus fps) conditions every block
 through one shared adaLN projection (adaLN-single) and a learned per-block table.
 
+Open-Sora 1.2 compatibility is a set of geometry options (``position_embedding="opensora"``,
+``null_caption_mask="prompt"``, ``bf16_timesteps``) and the ``height``/``width``/``x_mask``
+inputs of :meth:`STDiT.forward`; ``models/opensora_stdit.py`` converts the weights.
+
 This file is pure: no torch.distributed. Parallelism and activation checkpointing are
 applied from outside (``videodit.parallel``). ``save_pretrained`` / ``load_pretrained``
 keep a model in a folder: ``config.json`` (its arguments) and ``model.safetensors``.
@@ -25,8 +29,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from videodit.errors import UserError
-from videodit.models.layers import (CrossAttention, Mlp, RotaryEmbedding, ScalarEmbedder,
-                                    SelfAttention, modulate, sincos_2d, sinusoidal_embedding)
+from videodit.models.layers import (CrossAttention, Mlp, RotaryEmbedding, ScalarEmbedder, SelfAttention,
+                                    modulate, opensora_sincos_2d, sincos_2d, sinusoidal_embedding)
 
 MODEL_TYPE = "videodit-stdit"
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
@@ -46,6 +50,21 @@ class DiTGeometry:
     pos_base_grid: int = 16
     temporal_pos_embed: bool = False
     pooled_caption: bool = False
+    # Open-Sora 1.2 behaviour (see the module docstring); the defaults are videodit's own.
+    position_embedding: str = "videodit"   # "opensora": the table from the clip's pixel size
+    null_caption_mask: str = "full"        # "prompt": the null caption under the prompt's token mask
+    bf16_timesteps: bool = False           # round t*1000 to bf16 before embedding, as Open-Sora in bf16
+
+    def __post_init__(self):
+        for name, allowed in (("position_embedding", POSITION_EMBEDDINGS), ("null_caption_mask", NULL_CAPTION_MASKS)):
+            if getattr(self, name) not in allowed:
+                raise UserError(f"{name}={getattr(self, name)!r} is not allowed; choose one of: {', '.join(allowed)}")
+        if self.position_embedding == "opensora" and self.hidden_size % 4:   # sin/cos of rows and of columns
+            raise UserError(f"position_embedding=opensora needs hidden_size a multiple of 4, not {self.hidden_size}")
+
+
+POSITION_EMBEDDINGS = ("videodit", "opensora")
+NULL_CAPTION_MASKS = ("full", "prompt")
 
 
 class STBlock(nn.Module):
@@ -64,10 +83,13 @@ class STBlock(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.randn(6, dim) / dim**0.5)
 
     def forward(self, x, y, y_mask, t_mod, rope):
-        """x: [B, T, S, D]; y: [B, L, D]; y_mask: [B, L]; t_mod: [B, 6, D]."""
+        """x: [B, T, S, D]; y: [B, L, D]; y_mask: [B, L]; t_mod: [B, 6, D], or [B, T, 6, D] with a
+        modulation per frame (``x_mask``: given frames are modulated as at t=0)."""
         b, frames, spatial, dim = x.shape
+        if t_mod.dim() == 3:
+            t_mod = t_mod[:, None]   # one modulation for every frame
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = \
-            (self.scale_shift_table[None] + t_mod)[:, :, None, None].unbind(1)   # each [B, 1, 1, D]
+            (self.scale_shift_table + t_mod).unsqueeze(-2).unbind(-3)   # each [B, T or 1, 1, D]
 
         h = modulate(self.norm1(x), shift_a, scale_a)
         if self.temporal:
@@ -85,15 +107,18 @@ class STBlock(nn.Module):
 class CaptionEmbedder(nn.Module):
     """Projects caption tokens to the model width; holds the learned null caption for CFG."""
 
-    def __init__(self, caption_channels: int, length: int, dim: int):
+    def __init__(self, caption_channels: int, length: int, dim: int, null_mask: str = "full"):
         super().__init__()
         self.proj = Mlp(caption_channels, dim, dim)
         self.null_caption = nn.Parameter(torch.randn(length, caption_channels) / caption_channels**0.5)
+        self.null_mask = null_mask
 
     def forward(self, y, y_mask, drop):
         if drop is not None:
             y = torch.where(drop[:, None, None], self.null_caption.to(y.dtype)[None], y)
-            y_mask = y_mask | drop[:, None]   # the null caption uses all of its tokens
+            if self.null_mask == "full":   # videodit: the null caption uses all of its tokens
+                y_mask = y_mask | drop[:, None]
+            # "prompt" (Open-Sora): it keeps the prompt's mask, in training and in CFG alike
         # An empty caption would mask every key (NaN attention); let it attend to its padding.
         y_mask = y_mask | ~y_mask.any(dim=1, keepdim=True)
         return self.proj(y), y_mask
@@ -129,10 +154,19 @@ class FinalLayer(nn.Module):
         self.table = nn.Parameter(torch.randn(2, dim) / dim**0.5)
         self.proj = nn.Linear(dim, patch_values)
 
-    def forward(self, tokens, cond):
-        """tokens: [B, T', S, D]; cond: [B, D] -> [B, T', S, patch_values]."""
-        shift, scale = (self.table[None] + cond[:, None])[:, :, None, None].unbind(1)
-        return self.proj(modulate(self.norm(tokens), shift, scale))
+    def forward(self, tokens, cond, x_mask=None):
+        """tokens: [B, T', S, D]; cond: [B, D] -> [B, T', S, patch_values]. With ``x_mask``
+        [B, T'] (True: generated), cond is [B, 2, D]: generated frames', given frames' (t=0)."""
+        if x_mask is None:
+            return self.proj(modulate(self.norm(tokens), *self._shift_scale(cond)))
+        out = modulate(self.norm(tokens), *self._shift_scale(cond[:, 0]))
+        # Open-Sora's T2IFinalLayer normalises the *already modulated* tokens for given frames
+        # (it reassigns x first); its weights were trained so, hence reproduced here.
+        given = modulate(self.norm(out), *self._shift_scale(cond[:, 1]))
+        return self.proj(torch.where(x_mask[:, :, None, None], out, given))
+
+    def _shift_scale(self, cond):
+        return (self.table[None] + cond[:, None])[:, :, None, None].unbind(1)   # each [B, 1, 1, D]
 
 
 class STDiT(nn.Module):
@@ -141,10 +175,11 @@ class STDiT(nn.Module):
         g = self.geometry = geometry
         dim = g.hidden_size
         self.patch_embed = nn.Conv3d(g.in_channels, dim, kernel_size=g.patch_size, stride=g.patch_size)
-        self.t_embedder = ScalarEmbedder(dim, scale=1000.0)    # t in [0, 1] -> DiT's [0, 1000] range
+        # t in [0, 1] -> DiT's [0, 1000] range
+        self.t_embedder = ScalarEmbedder(dim, scale=1000.0, round_to=torch.bfloat16 if g.bf16_timesteps else None)
         self.fps_embedder = ScalarEmbedder(dim)
         self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
-        self.caption_embedder = CaptionEmbedder(g.caption_channels, g.caption_length, dim)
+        self.caption_embedder = CaptionEmbedder(g.caption_channels, g.caption_length, dim, g.null_caption_mask)
         self.caption_pool = PooledCaption(dim) if g.pooled_caption else None
         self.rope = RotaryEmbedding(dim // g.num_heads)
         self.spatial_blocks = nn.ModuleList(
@@ -176,41 +211,72 @@ class STDiT(nn.Module):
         """Blocks in execution order: spatial 0, temporal 0, spatial 1, temporal 1, ..."""
         return [b for pair in zip(self.spatial_blocks, self.temporal_blocks) for b in pair]
 
-    def forward(self, x, t, y, y_mask, fps=None, drop_caption=None):
+    def forward(self, x, t, y, y_mask, fps=None, drop_caption=None, height=None, width=None, x_mask=None):
         """Predict the rectified-flow velocity.
 
         x: latents [B, C, T, H, W] (T=1 for images); t: [B] in [0, 1]; y: caption tokens
         [B, L, caption_channels]; y_mask: [B, L] bool; fps: [B] (optional);
-        drop_caption: [B] bool, replace those captions by the null caption.
+        drop_caption: [B] bool, replace those captions by the null caption;
+        height, width: the clip's pixel size, a number or [B] (``position_embedding="opensora"``
+        needs it; ignored otherwise); x_mask: [B, T'] bool over patched frames, True where
+        generated, False where given (conditioning frames, modulated as at t=0).
         """
-        tokens, y, y_mask, t_mod, cond = self.embed(x, t, y, y_mask, fps, drop_caption)
+        if x_mask is not None:
+            x_mask = x_mask.to(device=x.device, dtype=torch.bool)
+        tokens, y, y_mask, t_mod, cond = self.embed(x, t, y, y_mask, fps, drop_caption, height, width, x_mask)
         rope = self.rope(torch.arange(tokens.shape[1], device=x.device))
         for block in self.blocks:
             tokens = block(tokens, y, y_mask, t_mod, rope)
-        return self.unpatchify(self.final_layer(tokens, cond), x.shape)
+        return self.unpatchify(self.final_layer(tokens, cond, x_mask), x.shape)
 
-    def embed(self, x, t, y, y_mask, fps=None, drop_caption=None):
+    def embed(self, x, t, y, y_mask, fps=None, drop_caption=None, height=None, width=None, x_mask=None):
         """Everything before the blocks: the token grid [B, T', S, D], the embedded caption
-        and its mask, the per-block adaLN input ``t_mod`` [B, 6, D] and ``cond`` [B, D]."""
-        b, _, frames, height, width = x.shape
+        and its mask, the per-block adaLN input ``t_mod`` [B, 6, D] and ``cond`` [B, D]
+        (with ``x_mask``: ``t_mod`` [B, T', 6, D] per frame, ``cond`` [B, 2, D], see FinalLayer)."""
+        b, _, frames, height_lat, width_lat = x.shape
         pt, ph, pw = self.geometry.patch_size
-        pad = (0, -width % pw, 0, -height % ph, 0, -frames % pt)
+        pad = (0, -width_lat % pw, 0, -height_lat % ph, 0, -frames % pt)
         tokens = self.patch_embed(F.pad(x, pad))                      # [B, D, T', H', W']
         _, dim, tp, hp, wp = tokens.shape
         tokens = tokens.flatten(3).transpose(1, 2).transpose(2, 3)    # [B, T', S, D]
-        tokens = tokens + sincos_2d(hp, wp, dim, self.geometry.pos_base_grid, x.device).to(tokens.dtype)
+        tokens = tokens + self.positions(hp, wp, height, width, b, x.device).to(tokens.dtype)
         if self.geometry.temporal_pos_embed:   # absolute frame index, on top of temporal RoPE
             frame_pos = sinusoidal_embedding(torch.arange(tp, device=x.device), dim)
             tokens = tokens + frame_pos[None, :, None, :].to(tokens.dtype)
 
         y, y_mask = self.caption_embedder(y, y_mask, drop_caption)
-        cond = self.t_embedder(t)
-        if fps is not None:
-            cond = cond + self.fps_embedder(fps)
+        extra = [self.fps_embedder(fps)] if fps is not None else []
         if self.caption_pool is not None:
-            cond = cond + self.caption_pool(y, y_mask)
+            extra.append(self.caption_pool(y, y_mask))
+
+        def condition(times):   # Open-Sora's order of additions: t, then fps
+            return sum(extra, self.t_embedder(times))
+
+        cond = condition(t)
         t_mod = self.t_block(cond).view(b, 6, dim)
+        if x_mask is not None:
+            if tuple(x_mask.shape) != (b, tp):
+                raise ValueError(f"x_mask is {tuple(x_mask.shape)}; it needs one flag per patched frame, {(b, tp)}")
+            cond_given = condition(torch.zeros_like(t))
+            t_mod = torch.where(x_mask[:, :, None, None], t_mod[:, None],
+                                self.t_block(cond_given).view(b, 1, 6, dim))
+            cond = torch.stack([cond, cond_given], dim=1)
         return tokens, y, y_mask, t_mod, cond
+
+    def positions(self, hp: int, wp: int, height, width, batch: int, device) -> torch.Tensor:
+        """The 2D position table of an H' x W' patch grid: [H'*W', D], or [B, 1, H'*W', D] when
+        the pixel sizes differ within the batch (Open-Sora would use the first sample's)."""
+        g = self.geometry
+        if g.position_embedding == "videodit":
+            return sincos_2d(hp, wp, g.hidden_size, g.pos_base_grid, device)
+        if height is None or width is None:
+            raise UserError("position_embedding=opensora needs the clip's pixel size: pass height= and width= "
+                            "to STDiT.forward")
+        sizes = list(zip(_per_sample(height, batch), _per_sample(width, batch)))
+        tables = {size: opensora_sincos_2d(hp, wp, g.hidden_size, *size, device) for size in dict.fromkeys(sizes)}
+        if len(tables) == 1:
+            return next(iter(tables.values()))
+        return torch.stack([tables[size] for size in sizes])[:, None]   # [B, 1, S, D]: every frame
 
     def unpatchify(self, tokens, latent_shape):
         return unpatchify(tokens, latent_shape, self.geometry)
@@ -219,7 +285,7 @@ class STDiT(nn.Module):
 
     def save_pretrained(self, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
         """Write ``config.json`` (the model's arguments only, diffusers' convention) and
-        ``model.safetensors`` into ``folder``; ``load_pretrained(folder)`` rebuilds the model."""
+        ``model.safetensors`` into ``folder``; ``videodit.models.load_pretrained(folder)`` rebuilds the model."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / CONFIG_NAME).write_text(json.dumps(geometry_config(self.geometry), indent=1) + "\n")
@@ -227,6 +293,13 @@ class STDiT(nn.Module):
                    for name, t in self.state_dict().items()}
         save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
         return folder
+
+
+def _per_sample(size, batch: int) -> list:
+    """A pixel size given as a number, or one per sample ([B] tensor or list), as B Python numbers."""
+    values = size.tolist() if isinstance(size, torch.Tensor) else size
+    values = values if isinstance(values, (list, tuple)) else [values]
+    return list(values) * batch if len(values) == 1 else list(values)
 
 
 def unpatchify(tokens: torch.Tensor, latent_shape, geometry: DiTGeometry) -> torch.Tensor:
@@ -256,9 +329,10 @@ def geometry_from_config(config: dict) -> DiTGeometry:
     return DiTGeometry(**args)
 
 
-def load_pretrained(folder: str | Path, device: str | torch.device = "cpu") -> STDiT:
+def load_model_folder(folder: str | Path, device: str | torch.device = "cpu") -> STDiT:
     """The model a ``save_pretrained`` folder (``config.json`` + ``model.safetensors``) holds.
-    Safetensors only: loading never runs code from the folder."""
+    Safetensors only: loading never runs code from the folder. ``videodit.models.load_pretrained``
+    also reads Open-Sora's layouts."""
     folder = Path(folder)
     config_path, weights_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
     if not config_path.is_file() or not weights_path.is_file():

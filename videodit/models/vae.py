@@ -1,18 +1,10 @@
 """Frozen VAE adapters: pixels <-> ~unit-variance latents for the diffusion transformer.
 
-Every adapter is an ``nn.Module`` with the same small interface, so the trainer and the
-sampler never look at diffusers' many output types:
-
-* ``latent_channels``, ``spatial_compression`` (pixels per latent along H and W) and
-  ``temporal_compression`` (frames per latent frame; 1 for per-frame VAEs);
-* ``latent_size(num_frames, height, width) -> (T', H', W')``;
-* ``encode(video [B,3,T,H,W] in [-1,1]) -> latents [B,C,T',H',W']``, deterministic (posterior
-  mode) and already normalised (shift subtracted, scaling factor applied);
-* ``decode(latents) -> video [B,3,T,H,W]`` clamped to [-1,1].
-
-Adapters are frozen: parameters never require grad, they stay in eval mode even when a
-parent module calls ``.train()``, and encode/decode run under ``torch.no_grad()``.
-Nothing is ever downloaded: diffusers models load with ``local_files_only=True``.
+Every adapter implements the small interface of ``models/vae_base.py`` (``FrozenVAE``), so the
+trainer and the sampler never look at diffusers' many output types. ``build_vae`` is the one
+factory for every kind: identity, diffusers (this file) and opensora-v1.2
+(``models/opensora_vae.py``). Nothing is ever downloaded: diffusers models load with
+``local_files_only=True``.
 """
 
 from __future__ import annotations
@@ -25,8 +17,10 @@ import torch
 from torch import Tensor, nn
 
 from videodit.errors import UserError
+from videodit.models.opensora_vae import load_opensora_vae
+from videodit.models.vae_base import FrozenVAE
 
-VAE_KINDS = ("identity", "diffusers")
+VAE_KINDS = ("identity", "diffusers", "opensora-v1.2")
 
 # diffusers autoencoders that take one image [N,C,H,W]; videos are folded into frames.
 _IMAGE_VAE_CLASSES = (
@@ -68,47 +62,6 @@ _VIDEO_NAME_MARKERS = ("Video", "3D", "Vid")
 _VIDEO_CONFIG_KEYS = ("temporal_compression_ratio", "scale_factor_temporal", "temperal_downsample")
 
 
-# --------------------------------------------------------------------------- base class
-
-
-class FrozenVAE(nn.Module):
-    """Shared plumbing for all adapters: freezing, the per-frame size rule, input checks."""
-
-    latent_channels: int
-    spatial_compression: int
-    temporal_compression: int
-
-    def _freeze(self) -> None:
-        self.requires_grad_(False)
-        self.eval()
-
-    def train(self, mode: bool = True) -> "FrozenVAE":
-        # A parent model calling .train() must not flip dropout/norm layers of the frozen VAE.
-        return super().train(False)
-
-    def latent_size(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
-        """Per-frame rule: T' = T, H' = H // s, W' = W // s."""
-        s = self.spatial_compression
-        return num_frames, height // s, width // s
-
-    def _check_input(self, video: Tensor) -> None:
-        if video.ndim != 5 or video.shape[1] != 3:
-            raise ValueError(f"expected video [B,3,T,H,W], got shape {tuple(video.shape)}")
-        s = self.spatial_compression
-        h, w = video.shape[-2:]
-        if h % s or w % s:
-            raise UserError(
-                f"frame size {h}x{w} is not divisible by the VAE's spatial compression {s}; "
-                f"use a height and width that are multiples of {s}"
-            )
-
-    def encode(self, video: Tensor) -> Tensor:  # pragma: no cover - interface
-        raise NotImplementedError
-
-    def decode(self, latents: Tensor) -> Tensor:  # pragma: no cover - interface
-        raise NotImplementedError
-
-
 # --------------------------------------------------------------------------- identity
 
 
@@ -129,7 +82,8 @@ class IdentityVAE(FrozenVAE):
         return video.float() * self.scaling_factor
 
     @torch.no_grad()
-    def decode(self, latents: Tensor) -> Tensor:
+    def decode(self, latents: Tensor, num_frames: int | None = None) -> Tensor:
+        self._check_num_frames(latents, num_frames)
         return (latents.float() / self.scaling_factor).clamp(-1.0, 1.0)
 
 
@@ -350,7 +304,8 @@ class Diffusers2DVAE(_DiffusersVAE):
         return latents.reshape(b, t, *latents.shape[1:]).permute(0, 2, 1, 3, 4).contiguous()
 
     @torch.no_grad()
-    def decode(self, latents: Tensor) -> Tensor:
+    def decode(self, latents: Tensor, num_frames: int | None = None) -> Tensor:
+        self._check_num_frames(latents, num_frames)
         b, c, t, h, w = latents.shape
         flat = latents.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
         flat = self._denormalise(flat.to(self.device)).to(self.dtype)
@@ -415,14 +370,16 @@ class Diffusers3DVAE(_DiffusersVAE):
         return latents
 
     @torch.no_grad()
-    def decode(self, latents: Tensor) -> Tensor:
+    def decode(self, latents: Tensor, num_frames: int | None = None) -> Tensor:
+        self._check_num_frames(latents, num_frames)
         latents = self._denormalise(latents.to(self.device)).to(self.dtype)
         per_chunk = self._clips_per_chunk(self.num_frames_for(latents.shape[2]))
         chunks = [_decoded_sample(self.vae.decode(z)) for z in latents.split(per_chunk)]
         video = torch.cat(chunks).float().clamp(-1.0, 1.0)
         # Some decoders (e.g. CogVideoX with an even T') return extra frames; keep the
-        # canonical count so encode -> decode round-trips the clip length.
-        return video[:, :, : self.num_frames_for(latents.shape[2])]
+        # canonical count so encode -> decode round-trips the clip length (at most num_frames:
+        # a count that is not 1 + r*k, which encode refuses, decodes to fewer frames).
+        return video[:, :, : min(self.num_frames_for(latents.shape[2]), num_frames or video.shape[2])]
 
 
 # --------------------------------------------------------------------------- factory
@@ -463,6 +420,8 @@ def _read_model_config(path: str | None, subfolder: str | None) -> dict:
 def _vae_class(config: dict, where: str) -> tuple[type, bool]:
     """The diffusers class named by ``config`` and whether it is a video (5-D) VAE."""
     class_name = config.get("_class_name")
+    if config.get("model_type") == "VideoAutoencoderPipeline":
+        raise UserError(f"{where} holds Open-Sora 1.2's VAE (VideoAutoencoderPipeline); set vae.kind=opensora-v1.2")
     try:
         import diffusers  # heavy optional import, only needed for real VAEs
     except ImportError:
@@ -496,6 +455,7 @@ def build_vae(
     scaling_factor: float | None = None,
     micro_batch: int = 16,
     dtype: torch.dtype = torch.float32,
+    temporal_micro_batch: int = 4,
 ) -> nn.Module:
     """Build a frozen VAE adapter.
 
@@ -504,9 +464,19 @@ def build_vae(
     class named by ``_class_name`` in its config.json picks :class:`Diffusers2DVAE` or
     :class:`Diffusers3DVAE` (explicit tables above, then the name/config fallback).
     ``scaling_factor`` overrides the config's value.
+    ``kind='opensora-v1.2'``: Open-Sora 1.2's VAE folder at ``path``/``subfolder``
+    (:func:`load_opensora_vae`); its normalisation is the checkpoint's shift/scale.
+    ``micro_batch``: frames per (SD-)VAE pass; ``temporal_micro_batch``: 17-frame pieces per
+    pass of Open-Sora's temporal VAE.
     """
     if kind == "identity":
         return IdentityVAE(scaling_factor if scaling_factor is not None else 1.0)
+    if kind == "opensora-v1.2":
+        if scaling_factor is not None:
+            raise UserError("vae.scaling_factor does not apply to vae.kind=opensora-v1.2 (its latents are "
+                            "normalised by the checkpoint's shift and scale); remove it")
+        return load_opensora_vae(path, subfolder, micro_batch=micro_batch,
+                                 temporal_micro_batch=temporal_micro_batch, dtype=dtype)
     if kind != "diffusers":
         raise UserError(f"vae.kind={kind!r} is not supported; choose one of: {', '.join(VAE_KINDS)}")
 

@@ -73,6 +73,12 @@ class CompileStats:
             out.setdefault(kind, []).append(shape)
         return out
 
+    def summary(self) -> str:
+        """One line: the graphs per block kind and the block input shape each was compiled at."""
+        kinds = "; ".join(f"{kind} {len(shapes)} ({', '.join('x'.join(map(str, s)) for s in shapes)})"
+                          for kind, shapes in self.by_kind().items())
+        return f"train.compile: {self.compiles} graphs for the blocks, {self.recompiles} recompiles: {kinds or 'none'}"
+
 
 def compile_options(train) -> CompileOptions | None:
     """The options of ``train.compile`` (a ``TrainConfig``); None when compile is off."""
@@ -86,11 +92,13 @@ def _graphs_so_far() -> int:
 
 
 def _mark_dynamic(x, y, y_mask, t_mod, rope) -> None:
-    """Batch, frames and positions of the token grid [B, T, S, D] and the batch of the caption
-    and conditioning are dynamic; ``maybe`` lets sizes 0 and 1 specialise instead of failing."""
+    """Batch, frames and positions of the token grid [B, T, S, D], the batch of the caption and
+    the conditioning (and its frames when it is per frame: [B, T, 6, D]) are dynamic; ``maybe``
+    lets sizes 0 and 1 specialise instead of failing."""
     mark = torch._dynamo.maybe_mark_dynamic
     mark(x, [0, 1, 2])
-    for t in (y, y_mask, t_mod):
+    mark(t_mod, [0, 1] if t_mod.dim() == 4 else 0)
+    for t in (y, y_mask):
         mark(t, 0)
     if rope is not None:
         for t in rope:

@@ -33,6 +33,9 @@ from videodit.parallel.saved_tensors import wrap_saved_tensors
 from videodit.parallel.sequence import apply_sequence_parallel
 from videodit.parallel.tensor import apply_tensor_parallel
 
+# Model inputs: (x_t, t, y, y_mask, fps, drop_caption, height, width[, x_mask]).
+X_MASK = 8
+
 
 @dataclass
 class ParallelModel:
@@ -74,7 +77,7 @@ class ParallelModel:
             raise RuntimeError("under pipeline parallelism the loss is computed inside forward_backward")
         with self.autocast():
             out = self.module(*inputs)
-        return self.loss_fn(out, inputs[0], inputs[1], target)
+        return self.loss_fn(out, inputs[0], inputs[1], target, *inputs[X_MASK:])   # x_mask, if given
 
     def forward_backward(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, *, scale: float,
                          sync: bool) -> float:

@@ -59,7 +59,7 @@ class DiTStage(STDiT):
         return [(self.temporal_blocks if i % 2 else self.spatial_blocks)[str(i // 2)] for i in self._order]
 
     def forward(self, *args):
-        """First stage: the model's inputs (x, t, y, y_mask, fps, drop_caption). Other stages:
+        """First stage: the model's inputs (x, t, y, y_mask, fps, drop_caption, height, width). Other stages:
         the previous stage's outputs. Returns the five inter-stage tensors, or on the last
         stage the output patches [B, T', S, patch values] (``unpatchify`` makes latents)."""
         tokens, y, y_mask, t_mod, cond = self.embed(*args) if self.first else args
@@ -173,7 +173,7 @@ class PipelineSchedule:
 
 def stage_io(stage: DiTStage, inputs: tuple[torch.Tensor, ...], microbatches: int) -> dict:
     """Meta tensors of one micro-batch's stage inputs and outputs, from the model inputs
-    (x, t, y, y_mask, fps, drop_caption) of the whole batch."""
+    (x, t, y, y_mask, fps, drop_caption, height, width) of the whole batch."""
     x, _, y = inputs[:3]
     g = stage.geometry
     n = x.shape[0] // microbatches

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from videodit.errors import UserError
+from videodit.models.lora import base_parameter_names
 
 SHARDS_DIR = "dcp"
 METADATA_FILE = ".metadata"
@@ -90,6 +91,20 @@ def copy_into(targets: dict[str, torch.Tensor], source: dict[str, torch.Tensor])
                 target.copy_(value)
 
 
+def saved_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model tensors a checkpoint holds: the state dict, less a LoRA run's frozen base (the
+    weights the run started from, ``model.init_from``, hold it)."""
+    base = base_parameter_names(model)
+    return {name: tensor for name, tensor in model.state_dict().items() if name not in base}
+
+
+def _model_options(model: nn.Module, **options) -> StateDictOptions:
+    """DCP state-dict options; with LoRA they leave the frozen base out, in and out."""
+    if base_parameter_names(model):
+        options.update(ignore_frozen_params=True, strict=False)
+    return StateDictOptions(**options)
+
+
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer state keyed by parameter name (unsharded runs only)."""
     return get_optimizer_state_dict(model, optimizer)
@@ -106,16 +121,18 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
 
 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load whole tensors into a plain or sharded model (a pipeline stage takes its part)."""
-    state = _restricted(state, model.state_dict().keys())
+    """Load whole tensors into a plain or sharded model (a pipeline stage takes its part; frozen
+    parameters keep what they hold)."""
+    state = _restricted(state, saved_state(model).keys())
     if any(isinstance(p, DTensor) for p in model.parameters()):
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
+        set_model_state_dict(model, state, options=_model_options(model, full_state_dict=True, strict=True))
     else:
-        model.load_state_dict(state)
+        model.load_state_dict(state, strict=not base_parameter_names(model))
 
 
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, ema: dict | None) -> dict:
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": get_model_state_dict(model, options=_model_options(model)),
+             "optimizer": get_optimizer_state_dict(model, optimizer)}
     if ema is not None:
         state["ema"] = ema
     return state
@@ -150,7 +167,7 @@ def load_shards(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer
         raise
     except (RuntimeError, ValueError, KeyError, AssertionError, OSError, EOFError, pickle.UnpicklingError) as exc:
         raise _unreadable(folder, exc) from exc
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=_model_options(model))
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     # The EMA tensors were loaded in place.
 

@@ -26,6 +26,9 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                parallelize_module)
 
+from videodit.models.lora import is_lora_layer
+from videodit.parallel.lora import tensor_parallel_plan
+
 
 def _replicated_inputs(*layouts) -> PrepareModuleInput:
     """Hand a module's tensor inputs to its column-wise projections as one replicated DTensor
@@ -53,10 +56,10 @@ ROOT_PLAN = {"caption_embedder.proj.fc1": ColwiseParallel(), "caption_embedder.p
 def apply_tensor_parallel(model: nn.Module, tp_mesh) -> list[str]:
     """Shard ``model`` over ``tp_mesh`` in place; return the names of the parameters whose
     gradients each TP rank computes only in part (see the module docstring)."""
-    for block in model.blocks:
-        parallelize_module(block, tp_mesh, block_plan(block.temporal))
+    for block in model.blocks:   # layers with LoRA adapters: their base and adapters (parallel/lora.py)
+        parallelize_module(block, tp_mesh, tensor_parallel_plan(block, block_plan(block.temporal)))
     root_plan = {name: style for name, style in ROOT_PLAN.items() if _has_module(model, name)}
-    parallelize_module(model, tp_mesh, root_plan)
+    parallelize_module(model, tp_mesh, tensor_parallel_plan(model, root_plan))
     return partial_gradient_names(model)
 
 
@@ -69,6 +72,7 @@ def partial_gradient_names(model: nn.Module) -> list[str]:
 def _has_module(model: nn.Module, name: str) -> bool:
     """A pipeline stage keeps only some of the root modules (see ``parallel/pipeline.py``)."""
     try:
-        return isinstance(model.get_submodule(name), nn.Linear)
+        module = model.get_submodule(name)
     except AttributeError:
         return False
+    return isinstance(module, nn.Linear) or is_lora_layer(module)

@@ -43,33 +43,42 @@ class Saved:
     low: bool
     tp: bool
     selective: bool
+    # Kept only for the gradients of these: layers of the block (their weights), "adaln" (its
+    # shift/scale/gate, from the adaLN table and t_block) or "qk_norm" (its weights). Empty: always
+    # kept (the input of an op whose output needs a gradient). LoRA freezes all of these but the
+    # adapted layers, whose adapters need their input.
+    needed_by: tuple[str, ...] = ()
 
+
+QKV = ("attn.q", "attn.k", "attn.v")
 
 BLOCK_SAVED: tuple[Saved, ...] = (
     # self-attention (spatial or temporal)
     Saved("block input (residual stream)", 1, "D", False, False, True),
-    Saved("norm1 output (for the adaLN scale gradient)", 1, "D", False, False, False),
-    Saved("modulated input of q/k/v", 1, "D", True, False, False),
+    Saved("norm1 output (for the adaLN scale gradient)", 1, "D", False, False, False, ("adaln",)),
+    Saved("modulated input of q/k/v", 1, "D", True, False, False, QKV),
     Saved("q, k before QK-norm", 2, "D", True, True, True),
-    Saved("q, k normalised (before the norm weight)", 2, "D", False, True, False),
+    Saved("q, k normalised (before the norm weight)", 2, "D", False, True, False, ("qk_norm",)),
     Saved("q, k after QK-norm (and RoPE), attention inputs", 2, "D", True, True, False),
     Saved("v", 1, "D", True, True, True),
     Saved("attention output", 1, "D", True, True, True),
-    Saved("attention output with heads merged (proj input)", 1, "D", True, True, False),
-    Saved("output projection (for the gate gradient)", 1, "D", True, False, True),
+    Saved("attention output with heads merged (proj input)", 1, "D", True, True, False, ("attn.proj",)),
+    Saved("output projection (for the gate gradient)", 1, "D", True, False, True, ("adaln",)),
     # cross-attention
-    Saved("residual after self-attention (q input)", 1, "D", True, False, False),
+    Saved("residual after self-attention (q input)", 1, "D", True, False, False, ("cross_attn.q",)),
     Saved("cross q", 1, "D", True, True, True),
     Saved("cross attention output (proj input)", 1, "D", True, True, True),
     Saved("cross output projection (kept only by selective)", 0, "D", True, False, True),
     # MLP
     Saved("residual after cross-attention (norm2 input)", 1, "D", False, False, False),
-    Saved("norm2 output", 1, "D", False, False, False),
-    Saved("modulated input of fc1", 1, "D", True, False, False),
+    Saved("norm2 output", 1, "D", False, False, False, ("adaln",)),
+    Saved("modulated input of fc1", 1, "D", True, False, False, ("mlp.fc1",)),
     Saved("fc1 output (GELU input)", 1, "M", True, True, True),
-    Saved("GELU output (fc2 input)", 1, "M", True, True, False),
-    Saved("fc2 output (for the gate gradient)", 1, "D", True, False, True),
+    Saved("GELU output (fc2 input)", 1, "M", True, True, False, ("mlp.fc2",)),
+    Saved("fc2 output (for the gate gradient)", 1, "D", True, False, True, ("adaln",)),
 )
+# Layers of a block that read the caption tokens instead of the video tokens.
+CAPTION_LAYERS = ("cross_attn.k", "cross_attn.v")
 # Selective checkpointing also keeps the cross-attention projection (a matmul output).
 _SELECTIVE_EXTRA_D = 1
 
@@ -92,6 +101,42 @@ class Precision:
     @property
     def low_bytes(self) -> int:
         return 2 if self.bf16 else FP32
+
+
+@dataclass(frozen=True)
+class Lora:
+    """LoRA (``lora.rank > 0``): the base is frozen and held in the compute dtype (bf16 under
+    bf16 autocast), the adapters train in fp32. Counts are the whole model's."""
+    rank: int
+    block_params: int                  # adapter parameters in all blocks
+    other_params: int                  # adapter parameters outside the blocks
+    block_layers: tuple[str, ...]      # adapted layers inside a block (attn.q, mlp.fc1, ...)
+    block_inputs: int = 0              # sum of the in_features of the adapted layers of one block
+    block_outputs: int = 0             # ... of their out_features (on video tokens)
+    caption_outputs: int = 0           # ... of the adapted layers on caption tokens (cross k, v)
+    dropout: float = 0.0
+
+    @property
+    def params(self) -> int:
+        return self.block_params + self.other_params
+
+
+def count_lora(cfg, geometry: DiTGeometry, model: STDiT | None = None) -> Lora | None:
+    """The adapters ``cfg`` (a LoraConfig) adds to ``geometry``'s model (None when off)."""
+    from videodit.models.lora import target_shapes
+    if not cfg.rank:
+        return None
+    if model is None:
+        with torch.device("meta"):
+            model = STDiT(geometry)
+    shapes = target_shapes(model, cfg)
+    first = next(name for name, module in model.named_modules() if module is model.blocks[0]) + "."
+    block = {path[len(first):]: shape for path, shape in shapes.items() if path.startswith(first)}
+    in_blocks = sum(cfg.rank * (i + o) for path, (i, o) in shapes.items() if path.split(".")[0].endswith("blocks"))
+    return Lora(cfg.rank, in_blocks, sum(cfg.rank * (i + o) for i, o in shapes.values()) - in_blocks,
+                tuple(sorted(block)), sum(i for i, _ in block.values()),
+                sum(o for path, (_, o) in block.items() if path not in CAPTION_LAYERS),
+                sum(o for path, (_, o) in block.items() if path in CAPTION_LAYERS), cfg.dropout)
 
 
 @dataclass
@@ -163,20 +208,34 @@ class Estimate:
 
 def block_activation_bytes(geometry: DiTGeometry, tokens: int, batch: int, caption_length: int,
                            parallel: Parallel, precision: Precision, mode: str = "none",
-                           compression: str = "none") -> float:
+                           compression: str = "none", lora: Lora | None = None) -> float:
     """Bytes one block keeps for backward, for ``tokens`` tokens on this rank.
 
     ``mode`` is the block's checkpointing: ``none`` keeps :data:`BLOCK_SAVED`, ``full`` only
-    the block input, ``selective`` the matmul and attention outputs.
+    the block input, ``selective`` the matmul and attention outputs. ``lora``: the frozen base
+    keeps no input for its own weights' gradients (``needed_by``), the adapters keep their
+    rank-wide intermediate (and with dropout, their dropped-out input and its mask).
     """
     d, heads, tp = geometry.hidden_size, geometry.num_heads, parallel.tp
     m = int(d * geometry.mlp_ratio)
     if mode == "full":
         return tokens * d * FP32
     total = 0.0
+    if lora is not None:
+        adapted = set(lora.block_layers)
+        video = [layer for layer in lora.block_layers if layer not in CAPTION_LAYERS]
+        total += lora.rank * (tokens * len(video) + batch * caption_length * (len(adapted) - len(video))) \
+            * precision.low_bytes
+        if lora.dropout > 0 and mode == "none":
+            total += tokens * lora.block_inputs * (precision.low_bytes + 1)
+        if mode == "selective":   # it keeps every matmul output: the adapters' full-width ones too
+            total += (tokens * lora.block_outputs + batch * caption_length * lora.caption_outputs) \
+                * precision.low_bytes
     for saved in BLOCK_SAVED:
         if mode == "selective" and not saved.selective:
             continue
+        if lora is not None and mode == "none" and saved.needed_by and not adapted & set(saved.needed_by):
+            continue   # kept for a frozen weight's gradient only (selective keeps matmul outputs regardless)
         width = (d if saved.per == "D" else m) / (tp if saved.tp else 1)
         units = saved.units + (_SELECTIVE_EXTRA_D if mode == "selective" and saved.units == 0 else 0)
         total += units * tokens * width * (precision.low_bytes if saved.low else FP32)
@@ -190,7 +249,7 @@ def block_activation_bytes(geometry: DiTGeometry, tokens: int, batch: int, capti
 
 
 def activation_bytes(geometry: DiTGeometry, shape: Shape, parallel: Parallel, precision: Precision,
-                     memory: MemoryConfig, num_blocks: int) -> tuple[int, dict]:
+                     memory: MemoryConfig, num_blocks: int, lora: Lora | None = None) -> tuple[int, dict]:
     """Everything forward keeps until backward, on the rank with the most of it."""
     if parallel.pp > 1:   # one micro-batch at a time, several in flight
         shape = dataclasses.replace(shape, batch=max(1, shape.batch // parallel.microbatches))
@@ -198,11 +257,13 @@ def activation_bytes(geometry: DiTGeometry, shape: Shape, parallel: Parallel, pr
     blocks_here = math.ceil(num_blocks / parallel.pp)
     checkpointed = set(memory.checkpointed_blocks(num_blocks))
     args = (geometry, tokens, shape.batch, shape.caption_length, parallel, precision)
-    per_block = {mode: block_activation_bytes(*args, mode=mode, compression=memory.compression)
+    per_block = {mode: block_activation_bytes(*args, mode=mode, compression=memory.compression, lora=lora)
                  for mode in ("none", "full", "selective")}
     # The first pipeline stage holds the most: its blocks are 0 .. blocks_here-1.
     modes = [memory.checkpointing if i in checkpointed else "none" for i in range(blocks_here)]
     kept_blocks = sum(per_block[mode] for mode in modes)
+    if lora is not None and modes and modes[0] == "none":
+        kept_blocks -= tokens * geometry.hidden_size * FP32   # LoRA: the first block's input needs no gradient
     offloaded = 0.0
     if memory.offload:
         # Offloaded blocks keep nothing on the GPU once their copies finish; count one in flight.
@@ -216,7 +277,8 @@ def activation_bytes(geometry: DiTGeometry, shape: Shape, parallel: Parallel, pr
     d = geometry.hidden_size
     all_tokens = shape.batch * shape.tokens(geometry)
     gathered = all_tokens * d * FP32 if parallel.sp > 1 else 0
-    outside = all_tokens * (2 * d + 2) * FP32 + gathered + 5 * shape.latent_elements * FP32
+    # LoRA: the frozen output layer keeps neither its norm's output nor its projection's input.
+    outside = all_tokens * ((0 if lora else 2 * d) + 2) * FP32 + gathered + 5 * shape.latent_elements * FP32
     in_flight = parallel.in_flight if parallel.pp > 1 else 1
     total = int((kept_blocks + outside) * in_flight)
     return total, {"per_block_plain": int(per_block["none"]), "per_block_full": int(per_block["full"]),
@@ -235,16 +297,21 @@ def local_params(counts: ModelCounts, parallel: Parallel) -> float:
 
 def estimate(geometry: DiTGeometry, shape: Shape, *, parallel: Parallel = Parallel(),
              precision: Precision = Precision(), memory: MemoryConfig = MemoryConfig(),
-             ema: bool = True, encoder_bytes: int = 0, counts: ModelCounts | None = None) -> Estimate:
+             ema: bool = True, encoder_bytes: int = 0, counts: ModelCounts | None = None,
+             lora: Lora | None = None) -> Estimate:
     counts = counts or count_model(geometry)
     n_local = local_params(counts, parallel)
     on_gpu = 0.0 if parallel.cpu_offload else 1.0
-    params = int(n_local * FP32 * on_gpu)
-    grads = params
-    optimizer = 2 * params
-    ema_bytes = params if ema else 0
+    # LoRA: the base in the compute dtype without gradients or optimizer state; the adapters in
+    # fp32 with both (not split by TP: an upper bound, they are ~1-2% of the model).
+    adapters = 0.0 if lora is None else (lora.block_params / parallel.pp + lora.other_params) / parallel.shard
+    trained = n_local if lora is None else adapters
+    params = int((trained * FP32 + (0 if lora is None else n_local * precision.low_bytes)) * on_gpu)
+    grads = int(trained * FP32 * on_gpu)
+    optimizer = 2 * grads
+    ema_bytes = grads if ema else 0
 
-    activations, detail = activation_bytes(geometry, shape, parallel, precision, memory, counts.depth_blocks)
+    activations, detail = activation_bytes(geometry, shape, parallel, precision, memory, counts.depth_blocks, lora)
 
     # Temporaries of backward: the activation gradients flowing through one block (taken as
     # half a plain block; on CPU activations plus this came out 1.02-1.3x the measured peak),
@@ -255,11 +322,18 @@ def estimate(geometry: DiTGeometry, shape: Shape, *, parallel: Parallel = Parall
         temporaries += detail["per_block_plain"] if memory.checkpointing == "full" else 0.5 * detail["per_block_plain"]
     if parallel.shard > 1 or parallel.cpu_offload:
         # FSDP gathers the current and the prefetched block, and their unsharded gradients.
-        temporaries += 2 * block_weights * (precision.low_bytes + FP32)
+        if lora is None:
+            temporaries += 2 * block_weights * (precision.low_bytes + FP32)
+        else:
+            temporaries += 2 * (block_weights * precision.low_bytes
+                                + lora.block_params / counts.depth_blocks * (precision.low_bytes + FP32))
     elif precision.bf16:
-        # autocast keeps a bf16 copy of every weight it used until backward is done.
-        temporaries += n_local * 2
+        # autocast keeps a bf16 copy of every fp32 weight it used until backward is done (a
+        # LoRA base is bf16 already: only the adapters are copied).
+        temporaries += trained * 2
     detail.update(num_params=counts.num_params, params_per_gpu=int(n_local))
+    if lora is not None:
+        detail.update(adapter_params=lora.params, adapter_params_per_gpu=int(adapters))
     return Estimate(params, grads, optimizer, ema_bytes, activations, int(temporaries), encoder_bytes, detail)
 
 

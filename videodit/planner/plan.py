@@ -19,10 +19,11 @@ from videodit.config import Config, MemoryConfig
 from videodit.data.buckets.assign import build_buckets
 from videodit.data.buckets.config import resolve_bucket_config
 from videodit.errors import UserError
-from videodit.planner.estimate import (Estimate, Parallel, Precision, Shape, count_model, estimate,
-                                      parallel_from_config, precision_from_config)
+from videodit.planner.estimate import (Estimate, Lora, Parallel, Precision, Shape, count_lora, count_model,
+                                      estimate, parallel_from_config, precision_from_config)
 from videodit.models.flops import StepFlops, train_step_flops
 from videodit.models.stdit import DiTGeometry, STDiT
+from videodit.models.temporal_vae import CHUNK_FRAMES, latent_frames
 
 MAX_BATCH = 4096
 
@@ -33,22 +34,26 @@ class LatentGeometry:
     channels: int
     temporal: int
     spatial: int
-    # Open-Sora 1.2's VAE encodes 17-frame chunks into 5 latent frames; images stay 1 frame.
-    chunk: tuple[int, int] | None = None
+    # Open-Sora 1.2's VAE cuts clips into pieces of this many frames and compresses each one.
+    chunk: int | None = None
 
     def frames(self, num_frames: int) -> int:
+        if self.chunk:   # the VAE's own rule (17 -> 5, 20 -> 6), not a copy of it
+            return latent_frames(num_frames, self.chunk, self.temporal)
         if num_frames == 1:
             return 1
-        if self.chunk:
-            size, latent = self.chunk
-            return latent * math.ceil(num_frames / size)
         return math.ceil(num_frames / self.temporal)
+
+    @classmethod
+    def opensora_v12(cls) -> "LatentGeometry":
+        """The released Open-Sora 1.2 VAE: 4 channels, 8x8 pixels, 4x time in 17-frame pieces."""
+        return cls(4, 4, 8, chunk=CHUNK_FRAMES)
 
     @classmethod
     def parse(cls, text: str) -> "LatentGeometry":
         """``opensora-v1.2`` or ``C,FT,FS`` (channels, temporal and spatial compression)."""
         if text == "opensora-v1.2":
-            return cls(4, 4, 8, chunk=(17, 5))
+            return cls.opensora_v12()
         try:
             channels, temporal, spatial = (int(v) for v in text.split(","))
         except ValueError:
@@ -98,6 +103,7 @@ class Planner:
     ema: bool = True
     encoder_bytes: int = 0
     batch_multiple: int = 1     # pipeline micro-batches: batch sizes must be multiples
+    lora: Lora | None = None    # LoRA adapters on a frozen base (estimate.count_lora)
 
     def __post_init__(self):
         with torch.device("meta"):    # structure only: no memory, no initialisation cost
@@ -118,7 +124,7 @@ class Planner:
         parallel = dataclasses.replace(self.parallel, **changes.pop("parallel", {}))
         return estimate(self.geometry, self.shape(batch, num_frames, height, width), parallel=parallel,
                         precision=Precision(self.bf16), memory=memory, ema=self.ema,
-                        encoder_bytes=self.encoder_bytes, counts=self.counts)
+                        encoder_bytes=self.encoder_bytes, counts=self.counts, lora=self.lora)
 
     def max_batch(self, num_frames: int, height: int, width: int, **changes) -> int:
         """The largest batch (a multiple of ``batch_multiple``) under the budget; 0 if none."""
@@ -260,14 +266,17 @@ def planner_from_config(cfg: Config, gpu_bytes: int, *, world_size: int | None =
                         latent: LatentGeometry | None = None, caption: tuple[int, int] | None = None,
                         encoder_bytes: int | None = None) -> Planner:
     """A planner for ``cfg`` on GPUs of ``gpu_bytes``. Latent and caption geometry come from
-    the config's encoders when they are built in (identity VAE, toy text); local pretrained
-    ones are described with ``latent``/``caption`` instead of being loaded."""
+    the config's encoders when they are built in (identity VAE, toy text) or known
+    (vae.kind=opensora-v1.2); other local pretrained ones are described with
+    ``latent``/``caption`` instead of being loaded."""
     from videodit.components import model_geometry
+    if cfg.data.cache:   # features are cached: no encoder on the GPU; geometry from the cache when built
+        latent, caption, encoder_bytes = *_cached_geometry(cfg, latent, caption), 0
     if latent is None:
-        if cfg.vae.kind != "identity":
+        if cfg.vae.kind == "diffusers":
             raise UserError("vae.kind=diffusers: give the latent geometry with --latent C,FT,FS (or opensora-v1.2); "
                             "the planner does not load the VAE")
-        latent = LatentGeometry(3, 1, 1)
+        latent = LatentGeometry.opensora_v12() if cfg.vae.kind == "opensora-v1.2" else LatentGeometry(3, 1, 1)
     if caption is None:
         if cfg.text.kind != "toy":
             raise UserError("text.kind=transformers: give the caption geometry with --caption CHANNELS,LENGTH "
@@ -281,4 +290,23 @@ def planner_from_config(cfg: Config, gpu_bytes: int, *, world_size: int | None =
     multiple = (p.pp_microbatches or p.pp) if p.pp > 1 else 1
     return Planner(geometry, parallel, precision_from_config(cfg).bf16, cfg.memory, latent, length, gpu_bytes,
                    margin, ema=cfg.train.ema_decay > 0, batch_multiple=multiple,
-                   encoder_bytes=frozen_encoder_bytes(cfg) if encoder_bytes is None else encoder_bytes)
+                   encoder_bytes=frozen_encoder_bytes(cfg) if encoder_bytes is None else encoder_bytes,
+                   lora=count_lora(cfg.lora, geometry))
+
+
+def _cached_geometry(cfg: Config, latent: LatentGeometry | None,
+                     caption: tuple[int, int] | None) -> tuple[LatentGeometry | None, tuple[int, int] | None]:
+    """Latent and caption geometry from ``data.cache``'s manifest where not given (and where the
+    cache exists already); the Open-Sora 1.2 VAE's chunked rule stays the planner's own."""
+    from pathlib import Path
+
+    from videodit.data.feature_cache.format import MANIFEST, read_manifest
+    if not (Path(cfg.data.cache) / MANIFEST).is_file():
+        return latent, caption
+    manifest = read_manifest(Path(cfg.data.cache))
+    if latent is None and cfg.vae.kind == "diffusers":
+        g = manifest["latent"]
+        latent = LatentGeometry(g["channels"], g["temporal_compression"], g["spatial_compression"])
+    if caption is None and cfg.text.kind != "toy":
+        caption = (manifest["text_geometry"]["dim"], manifest["text_geometry"]["max_length"])
+    return latent, caption

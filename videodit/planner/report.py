@@ -57,7 +57,8 @@ def plan_table(planner: Planner, plans: list[BucketFit]) -> str:
 def plan_summary(planner: Planner, gpu_bytes: int) -> str:
     p, m = planner.parallel, planner.memory
     return (f"model: {planner.counts.num_params:,} parameters, {planner.geometry.depth} block pairs, hidden "
-            f"{planner.geometry.hidden_size} | per GPU: sp={p.sp} tp={p.tp} pp={p.pp} fsdp shard={p.shard} | "
+            f"{planner.geometry.hidden_size}{_lora_summary(planner)} | "
+            f"per GPU: sp={p.sp} tp={p.tp} pp={p.pp} fsdp shard={p.shard} | "
             f"{'bf16 autocast' if planner.bf16 else 'fp32'} | checkpointing={m.checkpointing}"
             f"{f' every {m.checkpoint_every}' if m.checkpoint_every > 1 else ''}"
             f"{f' fraction {m.checkpoint_fraction}' if m.checkpoint_fraction < 1 else ''}"
@@ -65,10 +66,18 @@ def plan_summary(planner: Planner, gpu_bytes: int) -> str:
             f"budget {gib(planner.budget)} of {gib(gpu_bytes)} GiB ({planner.margin:.0%} margin)")
 
 
+def _lora_summary(planner: Planner) -> str:
+    lora = planner.lora
+    return "" if lora is None else \
+        f" | LoRA rank {lora.rank}: {lora.params:,} adapter parameters train, the base is frozen"
+
+
 def plan_json(planner: Planner, plans: list[BucketFit], gpu_bytes: int) -> str:
     first = plans[0].estimate if plans else None
     model = {"num_params": planner.counts.num_params,
              "params_per_gpu": int(first.detail["params_per_gpu"]) if first else 0}
+    if planner.lora is not None:
+        model.update(lora_rank=planner.lora.rank, adapter_params=planner.lora.params)
     if first:
         model.update({f"{k}_bytes": v for k, v in first.as_dict().items()
                       if k in ("params", "grads", "optimizer", "ema", "encoders")})

@@ -24,9 +24,11 @@ import torch
 from videodit.checkpoint import CheckpointManager, LoadedCheckpoint
 from videodit.data.sampler import BucketBatchSampler
 from videodit.errors import UserError
+from videodit.checkpoint.lora import check_base, init_weights
+from videodit.models.opensora_files import opensora_layout
 from videodit.parallel.parallelize import ParallelModel
 from videodit.parallel.state import (full_tensors, gather_stages, load_model_state, load_optimizer_state,
-                                     load_shards, optimizer_state, save_shards)
+                                     load_shards, optimizer_state, save_shards, saved_state)
 from videodit.train.ema import EMA
 
 
@@ -39,12 +41,13 @@ class Progress:
 
 class TrainState:
     def __init__(self, parallel: ParallelModel, optimizer: torch.optim.Optimizer, scheduler, ema: EMA | None,
-                 sampler: BucketBatchSampler):
+                 sampler: BucketBatchSampler, lora_base: dict | None = None):
         self.parallel = parallel
         self.ctx = parallel.ctx
         self.model = parallel.local_model
         self.optimizer, self.scheduler, self.ema, self.sampler = optimizer, scheduler, ema, sampler
         self.progress = Progress()
+        self.lora_base = lora_base   # a LoRA run's base (checkpoint/lora.py), recorded in state.json
 
     def gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The whole model's tensors on rank 0 from every rank's shards and stages (a collective)."""
@@ -53,13 +56,13 @@ class TrainState:
     def eval_weights(self) -> dict[str, torch.Tensor]:
         """The weights to sample and validate with: the EMA's if there is one, gathered whole
         on rank 0 (a collective)."""
-        return self.gather(self.ema.state_dict() if self.ema is not None else self.model.state_dict())
+        return self.gather(self.ema.state_dict() if self.ema is not None else saved_state(self.model))
 
     def save(self, manager: CheckpointManager, *, config_yaml: str, metrics: dict | None,
              blocking: bool) -> Path | None:
         """Save on every rank (gathering and DCP shards are collectives); rank 0 writes the
         files and returns the checkpoint's path."""
-        tensors = {"model": self.gather(self.model.state_dict())}
+        tensors = {"model": self.gather(saved_state(self.model))}   # a LoRA run: the adapters
         if self.ema is not None:
             tensors["ema"] = self.gather(self.ema.state_dict())
         self._check_finite(tensors)
@@ -86,6 +89,8 @@ class TrainState:
             "python_rng": _jsonable(random.getstate()),
             "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
         }
+        if self.lora_base is not None:
+            json_state["lora_base"] = self.lora_base
         torch_states = {} if sharded else {"optimizer": optimizer_state(self.model, self.optimizer)}
         path = manager.save(progress.step, tensors=tensors, torch_states=torch_states, json_state=json_state,
                             config_yaml=config_yaml, metrics=metrics, blocking=blocking,
@@ -97,7 +102,7 @@ class TrainState:
         """The checkpoint's weights must fit this model (a changed model.* under
         checkpoint.on_config_change=continue does not): read from the file's header only."""
         saved = ckpt.tensor_shapes("model")
-        for name, tensor in self.model.state_dict().items():   # DTensor shapes are the whole shapes
+        for name, tensor in saved_state(self.model).items():   # DTensor shapes are the whole shapes
             if name not in saved:
                 raise UserError(f"checkpoint {ckpt.path} has no weight {name}: it was written for another model; "
                                 "resume with that run's model.* or start a new run with model.init_from")
@@ -121,6 +126,8 @@ class TrainState:
     def load(self, ckpt: LoadedCheckpoint, on_data_change: str) -> None:
         """Load a checkpoint written by any layout (DCP shards or whole tensors) into this one."""
         self._check_shapes(ckpt)
+        if self.lora_base is not None:   # the adapters were trained on that base: it must not have changed
+            check_base(ckpt.json_state().get("lora_base") or {}, self.lora_base["path"])
         ema = self.ema.state_dict() if self.ema is not None and ckpt.has("ema") else None
         if ckpt.has_shards:
             load_shards(ckpt.path, self.model, self.optimizer, ema)
@@ -145,25 +152,24 @@ class TrainState:
 def init_weights_from(model: torch.nn.Module, source: str) -> str:
     """Load the weights of a checkpoint or exported model folder into a freshly built model
     (``model.init_from``); returns which weights were taken. Shapes must match exactly."""
-    ckpt = LoadedCheckpoint(source)
-    stem = "ema" if ckpt.has("ema") else "model"
-    weights = ckpt.tensors(stem)
-    if stem == "ema":   # the EMA covers the parameters; buffers come from the model weights
-        weights = {**ckpt.tensors("model"), **weights}
+    fix = "set model.* as in that run's config.yaml"
+    if opensora_layout(source):   # Open-Sora STDiT3 weights, converted on the fly
+        fix = "use model.preset=opensora-v1.2 (or its geometry)"
+    # What a source gives (checkpoint/lora.py): the same weights a LoRA run's sampling takes as its base.
+    weights, taken = init_weights(source)
     own = model.state_dict()
     for name, tensor in own.items():
         if name not in weights:
             raise UserError(f"model.init_from={source}: it has no tensor {name}; it was written for another "
-                            "model (check model.* against that run's config.yaml)")
+                            f"model ({fix})")
         if tuple(weights[name].shape) != tuple(tensor.shape):
             raise UserError(f"model.init_from={source}: {name} is {tuple(weights[name].shape)} there but "
-                            f"{tuple(tensor.shape)} here; set model.* as in that run's config.yaml")
+                            f"{tuple(tensor.shape)} here; {fix}")
     extra = sorted(weights.keys() - own.keys())
     if extra:
-        raise UserError(f"model.init_from={source}: it has tensors this model lacks ({', '.join(extra[:3])}); "
-                        "set model.* as in that run's config.yaml")
+        raise UserError(f"model.init_from={source}: it has tensors this model lacks ({', '.join(extra[:3])}); {fix}")
     model.load_state_dict({name: weights[name].to(tensor.dtype) for name, tensor in own.items()})
-    return f"{stem} weights of {ckpt.path} (step {ckpt.step})"
+    return taken
 
 
 def _jsonable(value):

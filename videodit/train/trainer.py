@@ -17,6 +17,7 @@ so a run draws the same noise whatever its data-parallel size.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from pathlib import Path
@@ -26,16 +27,20 @@ import torch
 from tqdm import tqdm
 
 from videodit.checkpoint import CheckpointManager, LoadedCheckpoint, checkpoint_name, list_checkpoints
+from videodit.checkpoint.lora import lora_model, run_base
 from videodit.components import build_encoders, build_model
 from videodit.config import Config, to_yaml
 from videodit.data.dataset import BadFileGuard, Batch
+from videodit.data.feature_cache import CachedBatch, build_cached_training_data
 from videodit.data.loader import build_training_data
+from videodit.diffusion.frame_mask import FrameConditioning
 from videodit.diffusion.rectified_flow import RectifiedFlow
 from videodit.errors import UserError, os_error_message
 from videodit.models.flops import train_step_flops
 from videodit.models.stdit import count_parameters
 from videodit.parallel.compile import compile_options
 from videodit.parallel.distributed import init_distributed
+from videodit.parallel.lora import apply_lora, lora_summary
 from videodit.parallel.parallelize import parallelize
 from videodit.sample import generate, write_clips
 from videodit.toy.make import ensure_toy_data
@@ -65,23 +70,49 @@ class Trainer:
         self._cuda_settings()
         use_bf16 = tc.precision == "bf16" or (tc.precision == "auto" and self.device.type == "cuda")
 
-        # Data first: a bad CSV should fail before any model is built.
-        ensure_toy_data(cfg)
-        self.data = build_training_data(cfg.data, batch_size=tc.batch_size, seed=tc.seed,
-                                        dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp_size)
+        # Data first: a bad CSV (or a cache built for other encoders) should fail before any model is built.
+        if cfg.data.cache:   # stored latents and caption embeddings (data/feature_cache/)
+            self.data = build_cached_training_data(cfg, batch_size=tc.batch_size, seed=tc.seed,
+                                                   dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp_size,
+                                                   pin_memory=self.device.type == "cuda")
+        else:
+            ensure_toy_data(cfg)
+            self.data = build_training_data(cfg.data, batch_size=tc.batch_size, seed=tc.seed,
+                                            dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp_size,
+                                            pin_memory=self.device.type == "cuda")
         self.meta, self.sampler = self.data.meta, self.data.sampler
         self.bad_files = BadFileGuard(cfg.data.max_bad_fraction)
 
-        self.vae, self.text = build_encoders(cfg, self.device)
+        if cfg.data.cache:   # the cache's geometry stands in for the encoders, which are never built
+            self.vae, self.text = self.data.vae, self.data.text
+            if self.is_main:
+                print(self.meta.describe(), flush=True)
+        else:
+            self.vae, self.text = build_encoders(cfg, self.device)
+        # On GPUs a bf16 run encodes in bf16, as Open-Sora does: the frozen text encoder's weights
+        # (T5-XXL: 19 GB in fp32) are cast, the VAE's matmuls and convolutions run under autocast
+        # (its weights stay fp32, whatever the adapter); the outputs are used in fp32.
+        self.encode_in_bf16 = use_bf16 and self.device.type == "cuda" and not cfg.data.cache
+        if self.encode_in_bf16:
+            self.text.to(torch.bfloat16)
         self.flow = RectifiedFlow(cfg.diffusion)
+        self.conditioning = frame_conditioning(cfg, self.ctx.dims.pp)
         model = build_model(cfg, self.vae, self.text)
+        lora_base = None
+        if cfg.lora.rank:   # the frozen base, recorded by its absolute path (config.yaml) and fingerprint
+            lora_base = run_base(cfg)
+            cfg.model.init_from = lora_base["path"]
         if cfg.model.init_from:
             taken = init_weights_from(model, cfg.model.init_from)
             if self.is_main:
                 print(f"model.init_from: starting from the {taken}", flush=True)
         model = model.to(self.device)
         self.num_params = count_parameters(model)
-        self.parallel = parallelize(model, self.ctx, cfg.parallel, memory=cfg.memory, loss_fn=self.flow.loss,
+        if cfg.lora.rank:   # adapters first, then every layer of parallelism (parallel/lora.py)
+            model = apply_lora(model, cfg.lora, base_dtype=torch.bfloat16 if use_bf16 else None)
+            if self.is_main:
+                print(lora_summary(model, cfg.lora), flush=True)
+        self.parallel = parallelize(model, self.ctx, cfg.parallel, memory=cfg.memory, loss_fn=self.flow.loss if self.conditioning is None else self.conditioning.loss(self.flow.loss),
                                     autocast_dtype=torch.bfloat16 if use_bf16 else None,
                                     bucket_batch_sizes={f"{b.resolution}/{b.num_frames}/{b.ratio}": b.batch_size
                                                         for b in self.data.plan.buckets if b.batch_size},
@@ -92,13 +123,13 @@ class Trainer:
         self.ema = EMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
         # On GPUs the fused kernel updates every parameter in a few launches (FSDP2/TP DTensors too);
         # parameters kept on the host (parallel.cpu_offload) and CPU runs keep the default.
-        params = list(self.model.parameters())
+        params = [p for p in self.model.parameters() if p.requires_grad or not cfg.lora.rank]   # LoRA: adapters
         fused = bool(params) and all(p.device.type == "cuda" for p in params)
         self.optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay,
                                            fused=True if fused else None)
         warmup = max(tc.warmup_steps, 1)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
-        self.state = TrainState(self.parallel, self.optimizer, self.scheduler, self.ema, self.sampler)
+        self.state = TrainState(self.parallel, self.optimizer, self.scheduler, self.ema, self.sampler, lora_base)
 
         self.folder = RunFolder(run_dir)
         ck = cfg.checkpoint
@@ -179,6 +210,8 @@ class Trainer:
             self.checkpoints.wait()
             if self.bad_files.summary():
                 print(self.bad_files.summary(), flush=True)
+            if self.is_main and self.parallel.compile_stats is not None:
+                print(self.parallel.compile_stats.summary(), flush=True)   # graphs per block kind and shape
         failed = metrics.error or self.output_error
         if failed is not None:   # the checkpoint is saved; the run still did not finish cleanly
             raise UserError(f"{failed}; the checkpoint of step {progress.step} was saved; fix that, then resume "
@@ -231,21 +264,37 @@ class Trainer:
         return self.parallel.loss(*self.prepare(batch))
 
     def prepare(self, batch: Batch) -> tuple[tuple, torch.Tensor]:
-        """The model inputs (x_t, t, y, y_mask, fps, drop_caption) of one micro-batch and its
-        velocity target; the batch's ``noise_seed`` draws its noise, timesteps and dropout."""
-        video = batch.video.to(self.device, non_blocking=True)
-        with torch.no_grad():
-            x0 = self.vae.encode(video)
-            y, y_mask = self.text.encode(batch.text)
+        """The model inputs (x_t, t, y, y_mask, fps, drop_caption, height, width[, x_mask]) of one
+        micro-batch and its velocity target; the batch's ``noise_seed`` draws its noise, timesteps,
+        dropout and frame masks (x_mask only with ``diffusion.mask_ratios``)."""
+        x0, y, y_mask, size = self.features(batch)
         n = x0.shape[0]
         generator = torch.Generator().manual_seed(batch.noise_seed)
-        ratio = self.flow.shift_ratio(video.shape[-2], video.shape[-1], x0.shape[2])
+        ratio = self.flow.shift_ratio(size[-2], size[-1], x0.shape[2])
         t = self.flow.sample_timesteps(n, ratio, generator, self.device)
         noise = torch.randn(x0.shape, generator=generator).to(self.device)
         drop = (torch.rand(n, generator=generator) < self.cfg.diffusion.caption_dropout).to(self.device)
         x_t = self.flow.interpolate(x0, noise, t)
-        inputs = (x_t, t, y, y_mask, batch.fps.to(self.device), drop)
+        pixels = [torch.full((n,), float(side), device=self.device) for side in size[-2:]]
+        x_mask = ()
+        if self.conditioning is not None:
+            x_t, mask = self.conditioning.apply(x_t, x0, generator)
+            x_mask = (mask,)
+        inputs = (x_t, t, y, y_mask, batch.fps.to(self.device, non_blocking=True), drop, *pixels, *x_mask)
         return inputs, self.flow.velocity_target(x0, noise)
+
+    def features(self, batch: Batch | CachedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+        """(x0 latents, caption embeddings, caption mask, (frames, height, width) in pixels) of one
+        micro-batch: encoded here, or read from ``data.cache``."""
+        if isinstance(batch, CachedBatch):
+            return (*batch.features(self.device), batch.pixels)
+        video = batch.video.to(self.device, non_blocking=True)   # pinned by the loader on GPUs: asynchronous
+        encode_autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.encode_in_bf16
+                           else contextlib.nullcontext())
+        with torch.no_grad(), encode_autocast:
+            x0 = self.vae.encode(video).float()
+            y, y_mask = self.text.encode(batch.text)
+        return x0, y.float(), y_mask, tuple(video.shape[-3:])
 
     def batches(self):
         """Batches forever, each with its noise seed; ``state.progress`` (epoch, offset) always
@@ -263,7 +312,8 @@ class Trainer:
 
     def model_flops(self, batch: Batch) -> float:
         """Model FLOPs (forward + backward, no recompute) of one micro-batch: the MFU numerator."""
-        frames, height, width = self.vae.latent_size(*batch.video.shape[-3:])
+        size = batch.pixels if isinstance(batch, CachedBatch) else batch.video.shape[-3:]
+        frames, height, width = self.vae.latent_size(*size)
         return train_step_flops(self.parallel.local_model.geometry, len(batch), frames, height, width,
                                 self.cfg.text.max_length).model
 
@@ -285,7 +335,11 @@ class Trainer:
     def _cuda_settings(self) -> None:
         """GPU fast paths that need no option: TF32 tensor cores for fp32 matmuls (what bf16
         autocast leaves in fp32, and precision=fp32 runs), and no cuDNN autotuning, which would
-        re-benchmark every new bucket shape (the patch-embedding Conv3d)."""
+        re-benchmark every new bucket shape (the patch-embedding Conv3d).
+
+        These are torch's older TF32 switches, on purpose: torch 2.13 refuses to read the
+        precision once the newer ``fp32_precision`` switches were mixed in, and inductor reads it
+        (``get_float32_matmul_precision`` is part of its cache key)."""
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")
             torch.backends.cudnn.allow_tf32 = True
@@ -322,6 +376,11 @@ class Trainer:
 
     def write_samples(self) -> list[Path]:
         cfg = self.cfg
+        if cfg.data.cache:   # no VAE or text encoder was built
+            if self.is_main:
+                print("no sample videos: training from data.cache builds no VAE or text encoder; sample with "
+                      f"`videodit sample --ckpt {self.run_dir}`", flush=True)
+            return []
         model = self.eval_model()
         if model is None:
             return []
@@ -337,11 +396,13 @@ class Trainer:
         """The model to validate and sample with, on rank 0 (None on other ranks): a plain copy
         with the EMA weights if there are any, else the training weights gathered whole.
         Gathering is a collective, so every rank calls this."""
-        if self.ema is None and not self.ctx.distributed:
+        if self.ema is None and not self.ctx.distributed and not self.cfg.lora.rank:
             return self.model
         weights = self.state.eval_weights()
         if not self.is_main:
             return None
+        if self.cfg.lora.rank:   # the base in fp32 (read again) with these adapters, as `videodit sample` does
+            return lora_model(self.cfg, self.cfg.model.init_from, weights).to(self.device)
         model = build_model(self.cfg, self.vae, self.text).to(self.device)
         model.load_state_dict(weights)
         return model
@@ -403,3 +464,13 @@ def _significant(value: float, digits: int = 4) -> float:
 def noise_seed(seed: int, epoch: int, global_batch: int) -> int:
     """The seed of one global batch's noise, timesteps and caption dropout."""
     return int(np.random.SeedSequence((seed, epoch, global_batch)).generate_state(1)[0])
+
+
+def frame_conditioning(cfg: Config, pp: int) -> FrameConditioning | None:
+    """Open-Sora's frame masks when ``diffusion.mask_ratios`` asks for them."""
+    if cfg.diffusion.mask_ratios is None:
+        return None
+    if pp > 1:   # the last stage would need the masks as well: not wired through the schedule yet
+        raise UserError(f"diffusion.mask_ratios with parallel.pp={pp} is not supported yet; train with "
+                        "parallel.pp=1 (FSDP, TP and SP work) or without mask_ratios")
+    return FrameConditioning(cfg.diffusion.mask_ratios, cfg.model.patch_size[0])

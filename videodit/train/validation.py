@@ -13,6 +13,7 @@ from collections import defaultdict
 import torch
 
 from videodit.config import Config
+from videodit.data.feature_cache import CachedBatch, build_cached_validation_data
 from videodit.data.loader import build_validation_data
 from videodit.diffusion.rectified_flow import RectifiedFlow
 
@@ -22,8 +23,12 @@ class Validator:
                  max_samples: int = 256):
         self.device = device
         self.timesteps = [(i + 0.5) / num_timesteps for i in range(num_timesteps)]
-        self.loader, self.size = build_validation_data(cfg.data, csv, batch_size=cfg.train.batch_size,
-                                                       seed=cfg.train.seed, max_samples=max_samples)
+        if cfg.data.cache:   # the cache's validation set: no encoder is built to encode the CSV
+            self.loader, self.size = build_cached_validation_data(cfg, csv, batch_size=cfg.train.batch_size,
+                                                                  max_samples=max_samples)
+        else:
+            self.loader, self.size = build_validation_data(cfg.data, csv, batch_size=cfg.train.batch_size,
+                                                           seed=cfg.train.seed, max_samples=max_samples)
 
     @torch.no_grad()
     def evaluate(self, model, vae, text, flow: RectifiedFlow, autocast) -> dict:
@@ -32,11 +37,16 @@ class Validator:
         model.eval()
         totals, counts = defaultdict(float), defaultdict(int)
         for index, batch in enumerate(self.loader):
-            video = batch.video.to(self.device)
-            x0 = vae.encode(video)
-            y, y_mask = text.encode(batch.text)
+            if isinstance(batch, CachedBatch):
+                x0, y, y_mask = batch.features(self.device)
+                size = batch.pixels
+            else:
+                video = batch.video.to(self.device)
+                x0 = vae.encode(video)
+                y, y_mask = text.encode(batch.text)
+                size = tuple(video.shape[2:])
             n = x0.shape[0]
-            ratio = flow.shift_ratio(video.shape[-2], video.shape[-1], x0.shape[2])
+            ratio = flow.shift_ratio(size[-2], size[-1], x0.shape[2])
             generator = torch.Generator().manual_seed(index)   # the same noise at every evaluation
             noise = torch.randn(x0.shape, generator=generator).to(self.device)
             keep = torch.zeros(n, dtype=torch.bool, device=self.device)
@@ -45,10 +55,9 @@ class Validator:
                 t = flow.shift(torch.full((n,), t_value), ratio).to(self.device)
                 x_t = flow.interpolate(x0, noise, t)
                 with autocast():
-                    out = model(x_t, t, y, y_mask, batch.fps.to(self.device), keep)
+                    out = model(x_t, t, y, y_mask, batch.fps.to(self.device), keep, *size[-2:])
                 loss += flow.loss(out, x_t, t, flow.velocity_target(x0, noise)).item()
-            shape = tuple(video.shape[2:])
-            name = f"val_loss/{shape[0]}x{shape[1]}x{shape[2]}"
+            name = f"val_loss/{size[0]}x{size[1]}x{size[2]}"
             totals[name] += loss / len(self.timesteps) * n
             counts[name] += n
         if was_training:

@@ -29,9 +29,10 @@ def train(name: str, overrides: list[str], steps: int, out: Path) -> None:
     weights = trainer.state.gather(trainer.model.state_dict())   # every shard and pipeline stage
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, keys)
+    stats = trainer.parallel.compile_stats   # under train.compile: rank 0's graphs, (kind, input shape) each
     if dist.get_rank() == 0:
-        torch.save({"weights": {k: v.cpu() for k, v in weights.items()}, "losses": losses, "keys": gathered},
-                   out / f"{name}.pt")
+        torch.save({"weights": {k: v.cpu() for k, v in weights.items()}, "losses": losses, "keys": gathered,
+                    "graphs": None if stats is None else stats.graphs}, out / f"{name}.pt")
 
 
 def main() -> None:

@@ -1,0 +1,184 @@
+"""The feature cache on disk: build, resume after a kill, torchrun, unreadable videos, info,
+and the refusal of a cache made for another config. (Training from it: tests/train/test_train_from_cache.py.)"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_overrides
+from videodit.cache import build_cache
+from videodit.cli import main
+from videodit.config import load_config
+from videodit.data.feature_cache import FeatureCache
+from videodit.data.feature_cache.writer import ShardWriter
+from videodit.errors import UserError
+from videodit.train.trainer import Trainer
+
+
+def config(toy_dir, **extra):
+    return load_config("tiny", tiny_overrides(toy_dir, **extra))
+
+
+def files(folder):
+    """Relative path -> bytes of every file under ``folder``."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def quiet(*args, **kwargs):
+    pass
+
+
+def test_build_stores_every_sample_once_with_valid_tokens_only(toy_dir, tmp_path):
+    cfg = config(toy_dir, **{"validation.csv": str(toy_dir / "val.csv"), "validation.max_samples": 10})
+    build_cache(cfg, tmp_path / "c", shard_size=16, log=quiet)
+    cache = FeatureCache(tmp_path / "c")
+    assert len(cache) == 54 and cache.manifest["shards"] == 4      # 54 toy clips, one bucket, shards of 16
+    assert sorted(cache.clip.tolist()) == list(range(54))
+    latent, tokens = cache.tensors(0)
+    assert latent.dtype == torch.bfloat16 and latent.shape == (3, 4, 16, 16)
+    # "a red circle moving right": 5 tokens stored of the 8 padded ones, 64 wide.
+    assert tokens.shape == (int(cache.text_len[0]), 64) and 0 < cache.text_len[0] < 8
+    assert len(list((tmp_path / "c" / "shards").glob("*.safetensors"))) == 4   # sharded, not a file per sample
+    assert len(FeatureCache(tmp_path / "c" / "validation")) == 10
+
+
+def test_a_killed_build_resumes_without_redoing_finished_shards(toy_dir, tmp_path, monkeypatch):
+    cfg = config(toy_dir)
+    build_cache(cfg, tmp_path / "straight", shard_size=8, log=quiet)
+
+    real_write, written = ShardWriter.write, []
+
+    def dies_on_the_third(self):
+        if len(written) == 2:
+            # The kill lands while the third shard's tensors are being written.
+            (self.folder / "shards" / ".shard-00002.safetensors.tmp-1234").write_bytes(b"partial")
+            raise KeyboardInterrupt
+        real_write(self)
+        written.append(self.shard)
+
+    monkeypatch.setattr(ShardWriter, "write", dies_on_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        build_cache(cfg, tmp_path / "killed", shard_size=8, log=quiet)
+    monkeypatch.setattr(ShardWriter, "write", real_write)
+    killed = tmp_path / "killed"
+    assert not (killed / "index.parquet").exists()
+    with pytest.raises(UserError, match="not complete .2 of 7 shards"):
+        FeatureCache(killed)
+    first = {p.name: p.stat().st_mtime_ns for p in (killed / "shards").glob("shard-0000[01].*")}
+    lines = []
+    redone = []
+    monkeypatch.setattr(ShardWriter, "write", lambda self: (redone.append(self.shard), real_write(self)))
+    build_cache(cfg, killed, shard_size=8, log=lambda *a, **k: lines.append(a[0]))
+    assert redone == [2, 3, 4, 5, 6]                     # finished shards are not encoded again
+    assert any("resuming, 2 of 7 shards" in line and "1 unfinished file" in line for line in lines)
+    assert {p.name: p.stat().st_mtime_ns for p in (killed / "shards").glob("shard-0000[01].*")} == first
+    assert files(killed) == files(tmp_path / "straight")   # byte for byte
+
+
+def test_torchrun_build_equals_a_one_process_build(toy_dir, tmp_path):
+    args = tiny_overrides(toy_dir)
+    assert main(["cache", "build", "tiny", *args, "--out", str(tmp_path / "one"), "--shard-size", "8"]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "videodit", "cache", "build", "tiny", *args, "--out", str(tmp_path / "two"),
+                           "--shard-size", "8"], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 1: encoded 24 clips" in done.stdout + done.stderr   # shards 1, 3, 5 of 7 (8 + 8 + 8)
+    assert files(tmp_path / "two") == files(tmp_path / "one")
+
+
+def test_a_cache_for_another_config_is_refused_in_one_line(toy_dir, tmp_path):
+    build_cache(config(toy_dir), tmp_path / "c", shard_size=64, log=quiet)
+    cache = str(tmp_path / "c")
+    cases = {
+        "another text encoder": {"text.dim": 32},
+        "another VAE": {"vae.scaling_factor": 0.5},
+        "another resolution table": {"data.height": 8, "data.width": 8},
+        "another frame sampling": {"data.frame_interval": 2},
+    }
+    for reason, change in cases.items():
+        with pytest.raises(UserError) as info:
+            Trainer(config(toy_dir, **{"data.cache": cache, **change}), tmp_path / "run")
+        message = str(info.value)
+        assert reason in message and "videodit cache build" in message and "\n" not in message, message
+    assert not (tmp_path / "run").exists()
+    # A build into a folder holding another build is refused too, naming what differs.
+    with pytest.raises(UserError, match=r"another build \(differs in: .*encoders"):
+        build_cache(config(toy_dir, **{"text.dim": 32}), tmp_path / "c", shard_size=64, log=quiet)
+    with pytest.raises(UserError, match="is not complete|does not exist"):
+        Trainer(config(toy_dir, **{"data.cache": str(tmp_path / "missing")}), tmp_path / "run")
+
+
+def test_another_batch_size_is_not_a_mismatch(toy_dir, tmp_path):
+    build_cache(config(toy_dir), tmp_path / "c", log=quiet)
+    trainer = Trainer(config(toy_dir, **{"data.cache": str(tmp_path / "c"), "train.batch_size": 2}), tmp_path / "r")
+    assert len(next(trainer.batches())) == 2
+
+
+def test_unreadable_videos_are_skipped_and_reported(toy_dir, tmp_path, capsys):
+    data = tmp_path / "toy"
+    shutil.copytree(toy_dir, data)
+    victim = sorted((data / "videos").glob("*.mp4"))[3]
+    victim.write_bytes(b"not a video")
+    cfg = config(data)
+    build_cache(cfg, tmp_path / "c", shard_size=16)
+    assert "skipped 1 unreadable video(s)" in capsys.readouterr().out
+    failed = pq.read_table(tmp_path / "c" / "failed.parquet").to_pylist()
+    assert len(failed) == 1 and failed[0]["path"].endswith(victim.name) and failed[0]["reason"]
+    cache = FeatureCache(tmp_path / "c")
+    assert len(cache) == 53 and failed[0]["clip"] not in cache.clip.tolist()
+    assert cache.buckets_of_view(0)[failed[0]["clip"]] == -1     # never drawn in training
+    assert main(["cache", "info", str(tmp_path / "c")]) == 0
+    assert "skipped 1 unreadable" in capsys.readouterr().out
+
+
+def test_cache_info_summarises_buckets_bytes_and_encoders(mixed_toy, tmp_path, capsys):
+    buckets = "{'24px': {1: [1.0, 4], 4: [1.0, 4]}, '16px': {1: [1.0, 4], 4: [1.0, 4]}}"
+    cfg = config(mixed_toy, **{"data.bucket_config": buckets})
+    build_cache(cfg, tmp_path / "c", views=2, log=quiet)
+    assert main(["cache", "info", str(tmp_path / "c"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["complete"] and info["views"] == 2 and info["encoders"]["vae"]["kind"] == "identity"
+    assert info["encoders"]["text"] == {"kind": "toy", "max_length": 8, "dim": 64}
+    assert len(info["buckets"]) >= 3 and sum(b["samples"] for b in info["buckets"]) == info["samples"]
+    assert {(b["num_frames"], b["height"]) for b in info["buckets"]} >= {(1, 16), (4, 16), (4, 24)}
+    assert info["bytes"] > info["latent_bytes"] + info["text_bytes"] > 0
+    assert info["mean_caption_bytes"] < info["padded_caption_bytes"]
+    assert main(["cache", "info", str(tmp_path / "c")]) == 0
+    text = capsys.readouterr().out
+    assert "VAE: identity" in text and "samples" in text and "24px" in text
+
+
+def test_views_are_the_first_epochs_draws(toy_dir, tmp_path):
+    cfg = config(toy_dir, **{"data.frame_interval": 1})
+    build_cache(cfg, tmp_path / "c", views=2, dtype="fp32", log=quiet)
+    cache = FeatureCache(tmp_path / "c")
+    assert cache.views == 2 and len(cache) == 108
+    a, _ = cache.tensors(cache.row(0, 0))
+    b, _ = cache.tensors(cache.row(0, 1))
+    assert not torch.equal(a, b)   # two random 4-frame windows of an 8-frame clip (seeded per epoch)
+
+
+def test_plan_counts_no_encoders_with_a_cache(toy_dir, tmp_path):
+    from videodit.planner.plan import planner_from_config
+
+    cfg = config(toy_dir)
+    assert planner_from_config(cfg, 2**30).encoder_bytes > 0            # the toy text encoder's tables
+    cached = config(toy_dir, **{"data.cache": str(tmp_path / "not-built-yet")})
+    assert planner_from_config(cached, 2**30).encoder_bytes == 0
+
+
+def test_shard_files_are_safetensors_with_one_entry_per_tensor(toy_dir, tmp_path):
+    build_cache(config(toy_dir), tmp_path / "c", shard_size=64, log=quiet)
+    tensors = load_file(str(tmp_path / "c" / "shards" / "shard-00000.safetensors"))
+    assert len(tensors) == 2 * 54 and all(t.dtype == torch.bfloat16 for t in tensors.values())
+    index = pq.read_table(tmp_path / "c" / "index.parquet")
+    assert np.all(index.column("text_bytes").to_numpy() == index.column("text_len").to_numpy() * 64 * 2)

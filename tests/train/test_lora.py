@@ -1,0 +1,171 @@
+"""LoRA (lora.rank > 0) on one process: what trains, what a checkpoint holds, exact resume,
+sampling the adapters on their base, the merged export, bf16 with checkpointing, and sizes."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_overrides
+from videodit.checkpoint import LoadedCheckpoint, export
+from videodit.checkpoint.lora import init_weights
+from videodit.cli import main
+from videodit.components import model_geometry
+from videodit.config import load_config
+from videodit.models import load_pretrained
+from videodit.models.lora import is_adapter_name
+from videodit.models.stdit import STDiT
+from videodit.sample import Pipeline
+from videodit.train.trainer import Trainer
+
+
+def make_base(overrides: list[str], folder, seed: int = 0):
+    """A base model folder for ``overrides``' geometry: random weights, nothing left at zero (a
+    fresh STDiT zeroes its output layer, which would give the adapters no gradient)."""
+    cfg = load_config("tiny", overrides)
+    torch.manual_seed(seed)
+    model = STDiT(model_geometry(cfg, 3, cfg.text.dim))   # identity VAE: 3 channels; toy captions
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    return model.save_pretrained(folder)
+
+
+def lora_overrides(toy_dir, base, **extra):
+    return tiny_overrides(toy_dir, **{"lora.rank": 4, "model.init_from": str(base), "train.lr": 1e-2, **extra})
+
+
+def losses(run_dir):
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_only_the_adapters_train_and_checkpoints_hold_only_them(toy_dir, tmp_path):
+    base = make_base(tiny_overrides(toy_dir), tmp_path / "base")
+    trainer = Trainer(load_config("tiny", lora_overrides(toy_dir, base)), tmp_path / "run")
+    named = dict(trainer.model.named_parameters())
+    trained = {name for name, p in named.items() if p.requires_grad}
+    assert trained and all(is_adapter_name(name) for name in trained)
+    assert {"spatial_blocks.0.attn.q.lora_A.default.weight",
+            "temporal_blocks.0.mlp.fc2.lora_B.default.weight"} <= trained
+    assert not any("cross_attn" in name for name in trained)          # default targets: self-attention and MLP
+    before = {name: p.detach().clone() for name, p in named.items()}
+    trainer.fit()
+    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(named[name]) for name in trained}
+    assert all(named[name].grad is None for name in named if name not in trained)
+    assert all(torch.equal(before[name], named[name]) for name in named if name not in trained)   # frozen
+    assert any(not torch.equal(before[name], named[name]) for name in trained)                    # trained
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step-0000004"
+    for stem in ("model", "ema"):
+        assert set(load_file(ckpt / f"{stem}.safetensors")) == trained
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["lora_base"]["path"] == str(base.resolve())
+    assert set(state["lora_base"]["fingerprint"]) == {"model.safetensors"}
+    assert f"init_from: {base.resolve()}" in (ckpt / "config.yaml").read_text()   # recorded absolute
+
+
+def test_interrupted_lora_run_resumes_exactly(toy_dir, tmp_path):
+    base = make_base(tiny_overrides(toy_dir), tmp_path / "base")
+    common = lora_overrides(toy_dir, base, **{"train.max_steps": 6, "train.batch_size": 8,
+                                              "train.deterministic": True})
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    Trainer(load_config("tiny", common), straight).fit()
+    Trainer(load_config("tiny", common + ["train.max_steps=3"]), split).fit()
+    Trainer(load_config("tiny", common + ["resume=auto"]), split).fit()
+    assert losses(split) == losses(straight)   # bitwise
+    for stem in ("model", "ema"):
+        a = load_file(straight / f"checkpoints/step-0000006/{stem}.safetensors")
+        b = load_file(split / f"checkpoints/step-0000006/{stem}.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sampling_applies_the_adapters_to_their_base_and_the_merged_export_matches(toy_dir, tmp_path):
+    base = make_base(tiny_overrides(toy_dir), tmp_path / "base")
+    run = tmp_path / "run"
+    assert main(["train", "--out", str(run), *lora_overrides(toy_dir, base)]) == 0
+    adapted = Pipeline(run)                      # the run folder: its newest checkpoint, EMA adapters
+    assert adapted.weights == "ema"
+    layer = adapted.model.spatial_blocks[0].attn.q
+    assert hasattr(layer, "lora_A") and layer.lora_B["default"].weight.abs().sum() > 0
+    plain = load_pretrained(base)
+    with torch.no_grad():
+        assert not torch.equal(layer(torch.ones(1, 32)), plain.spatial_blocks[0].attn.q(torch.ones(1, 32)))
+        torch.testing.assert_close(layer.base_layer.weight, plain.spatial_blocks[0].attn.q.weight)
+
+    out = tmp_path / "merged"
+    assert main(["ckpt", "export", str(run), str(out), "--merge-lora", "--ema"]) == 0
+    record = json.loads((out / "export.json").read_text())
+    assert record["merged_lora"]["base"] == str(base.resolve()) and record["merged_lora"]["rank"] == 4
+    merged = Pipeline(out)
+    assert merged.cfg.lora.rank == 0 and not any(is_adapter_name(n) for n in merged.model.state_dict())
+    x = torch.randn(2, 3, 4, 16, 16)
+    inputs = (x, torch.tensor([0.3, 0.8]), torch.randn(2, 8, 64), torch.ones(2, 8, dtype=torch.bool))
+    with torch.no_grad():
+        torch.testing.assert_close(merged.model(*inputs), adapted.model(*inputs), rtol=1e-5, atol=1e-5)
+    weights, taken = init_weights(run)            # model.init_from=RUN: the merged weights
+    assert "adapters of" in taken and "merged into their base" in taken
+    exported = load_file(out / "model.safetensors")
+    assert weights.keys() == exported.keys() and all(torch.equal(weights[k], exported[k]) for k in weights)
+    prompts = ["a red circle moving right", "a blue square moving up"]
+    clips_a = adapted(prompts, steps=4, seed=3)
+    clips_m = merged(prompts, steps=4, seed=3)
+    assert clips_a.shape == clips_m.shape
+    assert (clips_a.astype(int) - clips_m.astype(int)).__abs__().max() <= 1   # float rounding at most
+
+
+def test_lora_needs_a_base_and_real_targets(toy_dir, tmp_path, capsys):
+    assert main(["train", "--out", str(tmp_path / "a"), *tiny_overrides(toy_dir, **{"lora.rank": 4})]) == 2
+    assert "lora.rank=4 trains adapters on frozen base weights: set model.init_from" in capsys.readouterr().err
+    base = make_base(tiny_overrides(toy_dir), tmp_path / "base")
+    assert main(["train", "--out", str(tmp_path / "b"),
+                 *lora_overrides(toy_dir, base, **{"lora.targets": "[attn.qkv]"})]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "lora.targets: 'attn.qkv' is not a Linear layer" in err and "attn.q" in err and "\n" not in err
+    run = tmp_path / "c"
+    assert main(["train", "--out", str(run), *lora_overrides(toy_dir, base, **{"train.max_steps": 1})]) == 0
+    assert main(["ckpt", "export", str(run), str(tmp_path / "x")]) == 2
+    assert "is a LoRA checkpoint (adapters only): pass --merge-lora" in capsys.readouterr().err
+    make_base(tiny_overrides(toy_dir), tmp_path / "base", seed=1)          # the base changed since
+    with pytest.raises(Exception, match="is not the one the adapters were trained on"):
+        Pipeline(run)
+
+
+def test_bf16_lora_with_checkpointing_keeps_the_base_in_bf16(toy_dir, tmp_path):
+    base = make_base(tiny_overrides(toy_dir), tmp_path / "base")
+    overrides = lora_overrides(toy_dir, base, **{"train.precision": "bf16", "memory.checkpointing": "full",
+                                                  "lora.targets": "[attn.q, attn.v, cross_attn.q, mlp.fc1]",
+                                                  "lora.dropout": 0.1, "lora.alpha": 8})
+    trainer = Trainer(load_config("tiny", overrides), tmp_path / "run")
+    batches = trainer.batches()
+    for _ in range(2):
+        loss, grad_norm = trainer.train_step([next(batches)])
+        assert loss == loss and grad_norm > 0
+    trainer.parallel.forward_backward(*trainer.prepare(next(batches)), scale=1.0, sync=True)
+    for name, p in trainer.model.named_parameters():
+        assert p.dtype == (torch.float32 if is_adapter_name(name) else torch.bfloat16), name
+        assert (p.grad is not None) == is_adapter_name(name), name
+    states = [v for state in trainer.optimizer.state.values() for v in state.values() if v.dim() > 0]
+    assert states and all(v.dtype == torch.float32 for v in states)
+    assert sum(v.numel() for v in states) == 2 * sum(p.numel() for p in trainer.optimizer.param_groups[0]["params"])
+    assert trainer.model.spatial_blocks[0].cross_attn.q.scaling["default"] == 2.0   # alpha / rank
+
+
+def checkpoint_bytes(run) -> int:
+    ckpt = LoadedCheckpoint(run)
+    return sum(info["bytes"] for info in ckpt.manifest["files"].values())
+
+
+def test_lora_checkpoint_is_under_a_tenth_of_a_full_one_for_the_tiny_preset(toy_dir, tmp_path):
+    preset = [o for o in tiny_overrides(toy_dir, **{"train.max_steps": 1, "train.batch_size": 2})
+              if not o.startswith(("model.depth", "model.hidden_size", "model.num_heads", "model.patch_size"))]
+    full = tmp_path / "full"
+    assert main(["train", "--out", str(full), *preset]) == 0
+    lora = tmp_path / "lora"
+    assert main(["train", "--out", str(lora), *preset, "lora.rank=8", f"model.init_from={full}"]) == 0
+    ratio = checkpoint_bytes(lora) / checkpoint_bytes(full)
+    assert ratio <= 0.10, ratio
+    merged = export(lora, tmp_path / "merged", merge_lora=True)
+    assert load_file(merged / "model.safetensors").keys() == load_file(full / "checkpoints/step-0000001/"
+                                                                             "model.safetensors").keys()

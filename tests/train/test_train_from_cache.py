@@ -1,0 +1,162 @@
+"""Training from a feature cache (data.cache) gives the losses of on-the-fly encoding: the toy
+(identity VAE, toy text), bucketed data with images and several views, bf16 storage, and a
+tiny diffusers AutoencoderKL with a tiny T5; mid-epoch resume; and no encoder is built."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_overrides
+from videodit.cache import build_cache
+from videodit.config import load_config
+from videodit.train.trainer import Trainer
+
+REL = 1e-5
+
+
+def quiet(*args, **kwargs):
+    pass
+
+
+def metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run, key="loss"):
+    return [r[key] for r in metrics(run) if key in r]
+
+
+def assert_close(a, b, rel=REL):
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert abs(x - y) <= rel * abs(y), (a, b)
+
+
+def train(overrides, run, patch=None):
+    trainer = Trainer(load_config("tiny", overrides), run)
+    if patch:
+        patch(trainer)
+    trainer.fit()
+    return trainer
+
+
+def test_toy_from_the_cache_gives_the_on_the_fly_losses(toy_dir, tmp_path, capsys):
+    common = tiny_overrides(toy_dir, **{"train.max_steps": 4, "validation.csv": str(toy_dir / "val.csv"),
+                                        "validation.max_samples": 12, "train.deterministic": True})
+    build_cache(load_config("tiny", common), tmp_path / "cache", dtype="fp32", shard_size=16, log=quiet)
+    train(common, tmp_path / "fly")
+    capsys.readouterr()
+    trainer = train(common + [f"data.cache={tmp_path / 'cache'}"], tmp_path / "cached")
+    out = capsys.readouterr().out
+    assert "no VAE or text encoder is built" in out and "no sample videos" in out
+    assert type(trainer.vae).__name__ == "CachedVAE" and not isinstance(trainer.vae, torch.nn.Module)
+    assert_close(losses(tmp_path / "cached"), losses(tmp_path / "fly"))
+    assert_close(losses(tmp_path / "cached", "val_loss"), losses(tmp_path / "fly", "val_loss"))   # cached val set
+
+
+def test_buckets_images_and_views_follow_the_epochs(mixed_toy, tmp_path):
+    """Two views replay epochs 0 and 1 exactly; bucket batches change shape (16px, 24px, images)."""
+    buckets = "{'24px': {1: [1.0, 4], 4: [1.0, 4]}, '16px': {1: [1.0, 4], 4: [1.0, 4]}}"
+    common = tiny_overrides(mixed_toy, **{"data.bucket_config": buckets, "train.batch_size": 4,
+                                          "train.deterministic": True, "train.max_steps": 1})
+    cfg = load_config("tiny", common)
+    build_cache(cfg, tmp_path / "cache", views=2, dtype="fp32", log=quiet)
+    probe = Trainer(cfg, tmp_path / "probe")
+    steps = probe.sampler.steps_in_epoch(0) + 3          # into epoch 1
+    common += [f"train.max_steps={steps}"]
+    train(common, tmp_path / "fly")
+    train(common + [f"data.cache={tmp_path / 'cache'}"], tmp_path / "cached")
+    fly, cached = metrics(tmp_path / "fly"), metrics(tmp_path / "cached")
+    assert cached[-1]["epoch"] == 1
+    assert_close([r["loss"] for r in cached if "loss" in r], [r["loss"] for r in fly if "loss" in r])
+
+
+def test_a_bf16_cache_gives_the_losses_of_bf16_rounded_features(toy_dir, tmp_path):
+    """bf16 storage rounds the features, and nothing else: on-the-fly encoding rounded the same
+    way gives the same losses."""
+    common = tiny_overrides(toy_dir, **{"train.max_steps": 3, "train.deterministic": True})
+    build_cache(load_config("tiny", common), tmp_path / "cache", dtype="bf16", log=quiet)
+
+    def round_features(trainer):
+        encode = trainer.features
+
+        def rounded(batch):
+            x0, y, y_mask, size = encode(batch)
+            return x0.bfloat16().float(), y.bfloat16().float(), y_mask, size
+        trainer.features = rounded
+
+    train(common, tmp_path / "fly", patch=round_features)
+    train(common + [f"data.cache={tmp_path / 'cache'}"], tmp_path / "cached")
+    assert_close(losses(tmp_path / "cached"), losses(tmp_path / "fly"))
+    train(common, tmp_path / "fp32")                     # and differs from unrounded features by bf16's rounding
+    assert losses(tmp_path / "fp32") != losses(tmp_path / "cached")
+    assert_close(losses(tmp_path / "cached"), losses(tmp_path / "fp32"), rel=1e-2)
+
+
+def test_resume_from_the_cache_is_exact_mid_epoch(toy_dir, tmp_path):
+    common = tiny_overrides(toy_dir, **{"train.max_steps": 6, "train.batch_size": 8, "train.deterministic": True})
+    build_cache(load_config("tiny", common), tmp_path / "cache", log=quiet)
+    common += [f"data.cache={tmp_path / 'cache'}"]
+    train(common, tmp_path / "straight")
+    train(common + ["train.max_steps=3"], tmp_path / "split")
+    train(common + ["resume=auto"], tmp_path / "split")
+    assert losses(tmp_path / "split") == losses(tmp_path / "straight")   # bitwise
+
+
+# --------------------------------------------------------------------------- real-architecture encoders
+
+
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory):
+    """A tiny random diffusers AutoencoderKL (2x spatial, 4 channels) and a tiny random T5 with a
+    word tokenizer over the toy vocabulary."""
+    from diffusers import AutoencoderKL
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
+
+    from videodit.toy.encoder import TOY_VOCAB
+
+    root = tmp_path_factory.mktemp("encoders")
+    torch.manual_seed(0)
+    AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                  up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=4,
+                  norm_num_groups=8, scaling_factor=0.5).save_pretrained(root / "vae")
+    words = ["<pad>", "</s>", "<unk>", *TOY_VOCAB[2:]]
+    vocab = {w: i for i, w in enumerate(words)}
+    T5EncoderModel(T5Config(vocab_size=len(words), d_model=16, d_ff=32, d_kv=8, num_layers=1, num_heads=2,
+                            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)).save_pretrained(root / "t5")
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>",
+                            eos_token="</s>").save_pretrained(root / "t5")
+    return root
+
+
+def test_diffusers_vae_and_t5_from_the_cache_give_the_on_the_fly_losses(toy_dir, tmp_path, encoders):
+    common = tiny_overrides(toy_dir, **{
+        "vae.kind": "diffusers", "vae.path": str(encoders / "vae"), "text.kind": "transformers",
+        "text.path": str(encoders / "t5"), "text.max_length": 8, "model.patch_size": "[1,2,2]",
+        "train.max_steps": 3, "validation.csv": str(toy_dir / "val.csv"), "validation.max_samples": 8})
+    build_cache(load_config("tiny", common), tmp_path / "cache", dtype="fp32", shard_size=16, batch_size=5,
+                log=quiet)
+    train(common, tmp_path / "fly")
+    trainer = train(common + [f"data.cache={tmp_path / 'cache'}"], tmp_path / "cached")
+    assert trainer.vae.latent_channels == 4 and trainer.text.dim == 16
+    assert_close(losses(tmp_path / "cached"), losses(tmp_path / "fly"))
+    assert_close(losses(tmp_path / "cached", "val_loss"), losses(tmp_path / "fly", "val_loss"))
+    # Another T5 (other weights, same architecture and sizes) is another encoder.
+    from transformers import T5EncoderModel
+    other = tmp_path / "t5-other"
+    model = T5EncoderModel.from_pretrained(encoders / "t5")
+    torch.nn.init.normal_(model.shared.weight)
+    model.save_pretrained(other)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (encoders / "t5" / name).exists():
+            (other / name).write_bytes((encoders / "t5" / name).read_bytes())
+    from videodit.errors import UserError
+    with pytest.raises(UserError, match="another text encoder"):
+        Trainer(load_config("tiny", common + [f"data.cache={tmp_path / 'cache'}", f"text.path={other}"]),
+                tmp_path / "refused")

@@ -1,0 +1,280 @@
+"""``videodit cache build``: decode every sample of a config's data once, encode it with the
+config's VAE and text encoder, and store latents and valid caption tokens in shards.
+
+The samples and their frames are exactly those on-the-fly training draws: the config's bucket
+plan assigns view ``v`` as epoch ``v`` (``plan_items``), and ``VideoDataset.load`` decodes the
+frame window of epoch ``v``. Latents are the posterior mode, as ``FrozenVAE.encode`` gives
+(docs/feature_cache.md says why). Under torchrun every rank encodes the shards ``rank``,
+``rank + world``, ...; rank 0 checks and prepares the folder first, and at the end waits for
+every shard (by its file, without a collective that could time out on a slow rank) and writes
+the index. A killed build started again redoes only the shards without their index part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from videodit.components import build_encoders
+from videodit.config import Config
+from videodit.data.buckets.plan import BucketPlan
+from videodit.data.dataset import VideoDataset
+from videodit.data.feature_cache.format import (DTYPES, FAILED, FORMAT, INDEX, MANIFEST, MAX_FRAMES, VALIDATION,
+                                                VERSION, bucket_layout, encoder_identity, jsonable, read_manifest,
+                                                remove_leftovers, same_build, write_manifest)
+from videodit.data.feature_cache.writer import (Items, ShardWriter, finish_index, plan_items, shard_count,
+                                                shard_done, shard_slice)
+from videodit.data.metadata import read_metadata
+from videodit.data.video import VideoReadError
+from videodit.errors import UserError
+from videodit.parallel.distributed import join_process_group, pick_device
+from videodit.toy.make import ensure_toy_data
+
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class Part:
+    """One cache folder to fill: the training set (``out``) or the validation set (``out/validation``)."""
+
+    folder: Path
+    meta: object
+    plan: BucketPlan
+    items: Items
+    manifest: dict
+
+
+def build_cache(cfg: Config, out: str | Path, *, views: int = 1, shard_size: int = 256, dtype: str = "bf16",
+                batch_size: int = 8, log=print) -> dict:
+    """Build (or finish) the cache of ``cfg``'s data (and validation set) in ``out``; returns
+    what this process did. Runs alone or under torchrun."""
+    if views < 1 or shard_size < 1 or batch_size < 1:
+        raise UserError(f"--views {views}, --shard-size {shard_size} and --batch-size {batch_size} must be >= 1")
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    device = pick_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
+    if world > 1 and not dist.is_initialized():
+        join_process_group(device, timedelta(minutes=cfg.parallel.timeout_minutes))
+    say = log if rank == 0 else (lambda *a, **k: None)
+    try:
+        _on_main(lambda: ensure_toy_data(cfg))
+        vae, text = build_encoders(cfg, device)
+        in_bf16 = device.type == "cuda" and cfg.train.precision in ("auto", "bf16")   # as the trainer encodes
+        if in_bf16:
+            text.to(torch.bfloat16)
+        out = Path(out)
+        parts = [_part(cfg, out, cfg.data.csv, "data.csv", views, None, vae, text, dtype, shard_size, batch_size,
+                       in_bf16)]
+        if cfg.validation.csv:
+            parts.append(_part(cfg, out / VALIDATION, cfg.validation.csv, "validation.csv", 1,
+                               cfg.validation.max_samples, vae, text, dtype, shard_size, batch_size, in_bf16))
+        for line in _on_main(lambda: [_prepare(p.folder, p.manifest) for p in parts]):
+            say(line, flush=True)
+        if dist.is_initialized():   # no collective after this point: ranks finish at their own pace
+            dist.destroy_process_group()
+        started, encoded = time.perf_counter(), 0
+        for part in parts:
+            encoded += _encode_shards(cfg, part, vae, text, device, rank, world, batch_size, _TORCH_DTYPES[dtype],
+                                      in_bf16, show=rank == 0)
+        seconds = time.perf_counter() - started
+        rate = encoded / seconds if seconds > 0 else 0.0
+        if rank != 0:
+            log(f"rank {rank}: encoded {encoded} clips in {seconds:.1f} s ({rate:.1f} clips/s)", flush=True)
+            return {"encoded": encoded, "seconds": seconds, "clips_per_s": rate}
+        for part in parts:
+            _finish(part, say)
+        say(f"this run encoded {encoded} clips in {seconds:.1f} s: {rate:.1f} clips/s on rank 0"
+            f"{f' (of {world} ranks)' if world > 1 else ''}", flush=True)
+        return {"encoded": encoded, "seconds": seconds, "clips_per_s": rate, "samples": _samples(out)}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _on_main(fn):
+    """``fn()`` on rank 0, its result (or its UserError) on every rank."""
+    if not dist.is_initialized():
+        return fn()
+    outcome = None
+    if dist.get_rank() == 0:
+        try:
+            outcome = ("ok", fn())
+        except UserError as exc:
+            outcome = ("error", str(exc))
+    box = [outcome]
+    dist.broadcast_object_list(box, src=0)
+    if box[0][0] == "error":
+        raise UserError(box[0][1])
+    return box[0][1]
+
+
+def _part(cfg: Config, folder: Path, csv: str, option: str, views: int, limit: int | None, vae, text, dtype: str,
+          shard_size: int, batch_size: int, in_bf16: bool) -> Part:
+    meta = read_metadata(csv, bad_rows=cfg.data.bad_rows, option=option, cache=cfg.data.metadata_cache)
+    plan = BucketPlan(meta, cfg.data, cfg.train.batch_size, cfg.train.seed)
+    items = plan_items(plan.assign, views, limit)
+    if not len(items):
+        raise UserError(f"no sample of {csv} lands in a bucket, so there is nothing to cache "
+                        f"(videodit buckets {csv} --config CONFIG shows why)")
+    s = vae.spatial_compression
+    frames = []
+    for n in range(1, MAX_FRAMES + 1):
+        try:
+            frames.append(int(vae.latent_size(n, s, s)[0]))
+        except (ValueError, UserError):
+            frames.append(-1)
+    shapes = {str(i): [vae.latent_channels, *vae.latent_size(b.num_frames, b.height, b.width)]
+              for i, b in enumerate(plan.buckets)}
+    manifest = jsonable({
+        "format": FORMAT, "version": VERSION,
+        "source": {"csv": str(Path(csv).expanduser().resolve()), "digest": meta.digest, "rows": len(meta)},
+        "encoders": encoder_identity(cfg), "layout": bucket_layout(cfg.data, plan.buckets),
+        "seed": cfg.train.seed, "views": views, "dtype": dtype, "latents": "mode",
+        "encode_precision": "bf16 autocast" if in_bf16 else "fp32", "encode_batch": batch_size,
+        "latent": {"channels": vae.latent_channels, "spatial_compression": vae.spatial_compression,
+                   "temporal_compression": vae.temporal_compression, "frames": frames, "shapes": shapes},
+        "text_geometry": {"dim": text.dim, "max_length": text.max_length},
+        "items": len(items), "items_digest": items.digest(), "shard_size": shard_size,
+        "shards": shard_count(len(items), shard_size),
+    })
+    return Part(folder, meta, plan, items, manifest)
+
+
+def _prepare(folder: Path, manifest: dict) -> str:
+    """On rank 0: start, resume or refuse ``folder``; one line saying which."""
+    if (folder / MANIFEST).is_file():
+        old = read_manifest(folder, option="--out")
+        if not same_build(old, manifest):
+            differs = sorted(k for k in set(old) | set(manifest) if old.get(k) != manifest.get(k))
+            raise UserError(f"{folder} holds a cache of another build (differs in: {', '.join(differs)}); pick another "
+                            "--out, or delete that folder to rebuild it")
+        removed = remove_leftovers(folder)
+        if (folder / INDEX).is_file():
+            return f"{folder}: complete already ({manifest['items']} samples), nothing to do"
+        done = sum(shard_done(folder, s) for s in range(manifest["shards"]))
+        return (f"{folder}: resuming, {done} of {manifest['shards']} shards already written"
+                + (f" ({removed} unfinished file(s) of the interrupted build removed)" if removed else ""))
+    if folder.exists() and (not folder.is_dir() or any(p.name != VALIDATION for p in folder.iterdir())):
+        raise UserError(f"--out {folder} is not an empty folder and holds no cache; pick a new or empty folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    write_manifest(folder, manifest)
+    return f"{folder}: {manifest['items']} samples in {manifest['shards']} shard(s) of {manifest['shard_size']}"
+
+
+class _Decode(Dataset):
+    """Items by position: the decoded clip of (clip, view, bucket), or why it could not be read."""
+
+    def __init__(self, dataset: VideoDataset, items: Items):
+        self.dataset, self.items = dataset, items
+
+    def __getitem__(self, position: int) -> dict:
+        clip, view, bucket = (int(a[position]) for a in (self.items.clip, self.items.view, self.items.bucket))
+        try:
+            return self.dataset.load(clip, view, bucket)
+        except VideoReadError as exc:
+            return {"failed": exc.reason, "path": self.dataset.meta.paths[clip]}
+
+    def __getitems__(self, positions: list[int]) -> list[dict]:
+        return [self[p] for p in positions]
+
+
+def _groups(items: Items, shards: list[int], shard_size: int, batch_size: int) -> list[tuple[int, list[int]]]:
+    """(shard, positions) encode batches: each shard's items by bucket, in order, ``batch_size`` at most."""
+    out = []
+    for shard in shards:
+        positions = range(len(items))[shard_slice(shard, shard_size)]
+        by_bucket: dict[int, list[int]] = {}
+        for p in positions:
+            by_bucket.setdefault(int(items.bucket[p]), []).append(p)
+        for group in by_bucket.values():
+            out += [(shard, group[i : i + batch_size]) for i in range(0, len(group), batch_size)]
+    return out
+
+
+def _encode_shards(cfg: Config, part: Part, vae, text, device: torch.device, rank: int, world: int, batch_size: int,
+                   dtype: torch.dtype, in_bf16: bool, show: bool) -> int:
+    """Encode and write this rank's unfinished shards of ``part``; returns the clips read."""
+    shards = part.manifest["shards"]
+    mine = [s for s in range(rank, shards, world) if not shard_done(part.folder, s)]
+    groups = _groups(part.items, mine, part.manifest["shard_size"], batch_size)
+    if not groups:
+        return 0
+    decode = _Decode(VideoDataset(part.meta, part.plan, cfg.data.frame_interval, seed=cfg.train.seed), part.items)
+    loader = DataLoader(decode, batch_sampler=[g for _, g in groups], collate_fn=list,
+                        num_workers=cfg.data.num_workers)
+    total = sum(len(g) for _, g in groups)
+    bar = tqdm(total=total, desc=f"cache {part.folder.name}", unit="clip", dynamic_ncols=True,
+               disable=None if show else True)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if in_bf16 else contextlib.nullcontext()
+    items, writer, done, started, shown = part.items, None, 0, time.perf_counter(), time.perf_counter()
+    try:
+        for (shard, positions), samples in zip(groups, loader):
+            if writer is not None and writer.shard != shard:
+                writer.write()
+            if writer is None or writer.shard != shard:
+                writer = ShardWriter(part.folder, shard, dtype)
+            good = []
+            for p, sample in zip(positions, samples):
+                if "failed" in sample:
+                    writer.fail(int(items.clip[p]), int(items.view[p]), int(items.bucket[p]), sample["path"],
+                                sample["failed"])
+                else:
+                    good.append((p, sample))
+            if good:
+                video = torch.stack([s["video"] for _, s in good]).to(device)
+                with torch.no_grad(), autocast:
+                    latents = vae.encode(video).float()
+                    y, mask = text.encode([s["text"] for _, s in good])
+                for j, (p, sample) in enumerate(good):
+                    writer.add(int(items.clip[p]), int(items.view[p]), int(items.bucket[p]), float(sample["fps"]),
+                               latents[j], y[j].float(), mask[j])
+            done += len(positions)
+            bar.update(len(positions))
+            now = time.perf_counter()
+            if show and bar.disable and now - shown > 10:
+                print(f"cache {part.folder.name}: {done}/{total} clips, {done / (now - started):.1f} clips/s",
+                      flush=True)
+                shown = now
+        if writer is not None:
+            writer.write()
+    finally:
+        bar.close()
+    return done
+
+
+def _finish(part: Part, say) -> None:
+    """On rank 0: wait for every shard of ``part`` (other ranks write theirs), then the index."""
+    if (part.folder / INDEX).is_file():
+        return
+    shards, waited = part.manifest["shards"], time.perf_counter()
+    while missing := [s for s in range(shards) if not shard_done(part.folder, s)]:
+        if time.perf_counter() - waited > 60:
+            say(f"waiting for {len(missing)} shard(s) of other ranks, e.g. {missing[0]}", flush=True)
+            waited = time.perf_counter()
+        time.sleep(0.5)
+    table = finish_index(part.folder, shards)
+    ok = table.column("ok").to_pylist()
+    failed = ok.count(False)
+    say(f"{part.folder}: complete, {ok.count(True)} samples in {shards} shard(s)", flush=True)
+    if failed:
+        bad = pq.read_table(part.folder / FAILED).to_pylist()[:3]
+        say(f"skipped {failed} unreadable video(s) (not in the cache), e.g. "
+            + "; ".join(f"{r['path']}: {r['reason']}" for r in bad), flush=True)
+
+
+def _samples(out: Path) -> int:
+    return pq.read_metadata(out / INDEX).num_rows if (out / INDEX).is_file() else 0
+
+
+__all__ = ["build_cache"]

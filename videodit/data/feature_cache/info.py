@@ -1,0 +1,92 @@
+"""``videodit cache info DIR``: what a cache holds, per bucket, in bytes, and from which encoders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from videodit.data.feature_cache.format import (FAILED, INDEX, SHARDS, VALIDATION, describe_encoder,
+                                                read_manifest)
+
+
+def cache_summary(folder: str | Path) -> dict:
+    """A JSON-able summary of a cache folder (complete or not) and of its validation part."""
+    folder = Path(folder)
+    manifest = read_manifest(folder, option="cache folder")
+    done = len(list((folder / SHARDS).glob("shard-*.parquet"))) if (folder / SHARDS).is_dir() else 0
+    shard_bytes = sum(p.stat().st_size for p in (folder / SHARDS).glob("shard-*.safetensors")) \
+        if (folder / SHARDS).is_dir() else 0
+    summary = {
+        "folder": str(folder), "complete": (folder / INDEX).is_file(), "shards": manifest["shards"],
+        "shards_written": done, "source": manifest["source"], "views": manifest["views"], "dtype": manifest["dtype"],
+        "latents": manifest["latents"], "encoders": manifest["encoders"], "latent": {
+            k: v for k, v in manifest["latent"].items() if k != "frames"}, "text": manifest["text_geometry"],
+        "frame_interval": manifest["layout"]["frame_interval"], "seed": manifest["seed"], "bytes": shard_bytes,
+    }
+    if summary["complete"]:
+        index = pq.read_table(folder / INDEX)
+        bucket = index.column("bucket").to_numpy()
+        latent_bytes = index.column("latent_bytes").to_numpy()
+        text_bytes = index.column("text_bytes").to_numpy()
+        tokens = index.column("text_len").to_numpy()
+        rows = []
+        for b, shape in enumerate(manifest["layout"]["buckets"]):
+            members = bucket == b
+            if members.any():
+                rows.append({"resolution": shape[0], "num_frames": shape[1], "ratio": shape[2], "height": shape[3],
+                             "width": shape[4], "samples": int(members.sum()),
+                             "latent_shape": manifest["latent"]["shapes"].get(str(b)),
+                             "bytes": int(latent_bytes[members].sum() + text_bytes[members].sum())})
+        failed = pq.read_table(folder / FAILED) if (folder / FAILED).is_file() else None
+        summary.update(samples=len(index), clips=int(len(np.unique(index.column("clip").to_numpy()))), buckets=rows,
+                       latent_bytes=int(latent_bytes.sum()), text_bytes=int(text_bytes.sum()),
+                       mean_caption_tokens=float(tokens.mean()) if len(tokens) else 0.0,
+                       mean_caption_bytes=float(text_bytes.mean()) if len(text_bytes) else 0.0,
+                       padded_caption_bytes=manifest["text_geometry"]["max_length"] * manifest["text_geometry"]["dim"]
+                       * (2 if manifest["dtype"] == "bf16" else 4),
+                       unreadable=0 if failed is None else failed.num_rows,
+                       unreadable_examples=[] if failed is None else [
+                           f"{p}: {r}" for p, r in zip(failed.column("path").to_pylist()[:3],
+                                                       failed.column("reason").to_pylist()[:3])])
+    if (folder / VALIDATION).is_dir():
+        summary["validation"] = cache_summary(folder / VALIDATION)
+    return summary
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def format_summary(s: dict, indent: str = "") -> str:
+    lines = [f"{s['folder']}: {'complete' if s['complete'] else 'INCOMPLETE'}, {s['shards_written']} of "
+             f"{s['shards']} shards, {_size(s['bytes'])} of tensors ({s['dtype']}, latents: {s['latents']})",
+             f"source: {s['source']['csv']} ({s['source']['rows']} rows), {s['views']} view(s), seed {s['seed']}, "
+             f"frame_interval {s['frame_interval']}",
+             f"VAE: {describe_encoder(s['encoders']['vae'])}; latents {s['latent']['channels']} channels, "
+             f"{s['latent']['spatial_compression']}x spatial, {s['latent']['temporal_compression']}x temporal",
+             f"text: {describe_encoder(s['encoders']['text'])}; {s['text']['dim']} wide, {s['text']['max_length']} "
+             "tokens padded"]
+    if s["complete"]:
+        samples = max(s["samples"], 1)
+        lines.append(f"{s['samples']} samples of {s['clips']} clips; per sample: latent "
+                     f"{_size(s['latent_bytes'] / samples)}, "
+                     f"caption {_size(s['mean_caption_bytes'])} ({s['mean_caption_tokens']:.1f} valid tokens; "
+                     f"{_size(s['padded_caption_bytes'])} padded)")
+        if s["unreadable"]:
+            lines.append(f"skipped {s['unreadable']} unreadable video(s), e.g. {'; '.join(s['unreadable_examples'])}")
+        lines.append(f"{'resolution':<11}{'frames':>7}{'ratio':>7}{'HxW':>11}{'latent':>16}{'samples':>9}{'bytes':>11}")
+        for r in s["buckets"]:
+            latent = "x".join(map(str, r["latent_shape"])) if r["latent_shape"] else "-"
+            size = f"{r['height']}x{r['width']}"
+            lines.append(f"{r['resolution']:<11}{r['num_frames']:>7}{r['ratio']:>7}{size:>11}{latent:>16}"
+                         f"{r['samples']:>9}{_size(r['bytes']):>11}")
+    out = "\n".join(indent + line for line in lines)
+    if "validation" in s:
+        out += "\n" + indent + "validation set:\n" + format_summary(s["validation"], indent + "  ")
+    return out

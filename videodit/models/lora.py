@@ -1,0 +1,129 @@
+"""LoRA adapters on a model, with peft: added from outside the model's class, folded back into
+plain weights for export.
+
+peft's ``inject_adapter_in_model`` swaps each target ``nn.Linear`` in place for
+``peft.tuners.lora.Linear``: the original layer becomes ``<path>.base_layer`` (its weight
+``<path>.base_layer.weight``), and the adapter adds ``<path>.lora_A.default.weight`` [rank, in]
+and ``<path>.lora_B.default.weight`` [out, rank], whose product, scaled by alpha/rank, is added
+to the layer's output. B starts at zero, so an adapted model starts out computing exactly what
+its base computes. peft freezes every other parameter; only the adapters train. The model keeps
+its class and its ``blocks``, so parallelism, activation checkpointing and sampling treat it as
+before.
+
+Targets (``lora.targets``) are module paths inside every block (``attn.q``, ``cross_attn.k``,
+``mlp.fc1``) or full module paths (``t_block.1``); each must name an ``nn.Linear``.
+
+peft imports transformers, which takes seconds, so it is imported only when LoRA is used:
+:func:`is_lora_layer` answers False without importing it.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+from torch import nn
+
+from videodit.config import LoraConfig
+from videodit.errors import UserError
+
+ADAPTER = "default"          # peft's adapter name; it appears in the parameter names
+ADAPTER_KEYS = (f".lora_A.{ADAPTER}.", f".lora_B.{ADAPTER}.")
+
+
+def scale_numerator(cfg: LoraConfig) -> float:
+    """peft's ``lora_alpha``: the adapter's output is scaled by alpha / rank."""
+    return float(cfg.rank if cfg.alpha is None else cfg.alpha)
+
+
+def _block_names(model: nn.Module) -> list[str]:
+    blocks = {id(block) for block in getattr(model, "blocks", [])}
+    return [name for name, module in model.named_modules() if id(module) in blocks]
+
+
+def target_paths(model: nn.Module, targets: list[str]) -> list[str]:
+    """The full module paths of the Linear layers ``targets`` names (see the module docstring),
+    in model order; a target that names no Linear layer is a one-line UserError."""
+    modules = dict(model.named_modules())
+    blocks = _block_names(model)
+    chosen = set()
+    for target in targets:
+        inside = [f"{block}.{target}" for block in blocks]
+        if inside and all(isinstance(modules.get(path), nn.Linear) for path in inside):
+            chosen.update(inside)
+        elif isinstance(modules.get(target), nn.Linear):
+            chosen.add(target)
+        else:
+            linear = sorted({name.split(".", 2)[2] for name, m in modules.items()
+                             if isinstance(m, nn.Linear) and name.count(".") >= 2
+                             and name.split(".", 2)[0] + "." + name.split(".", 2)[1] in blocks})
+            raise UserError(f"lora.targets: {target!r} is not a Linear layer of every block nor of the model; "
+                            f"inside a block: {', '.join(linear)}")
+    return [name for name in modules if name in chosen]
+
+
+def target_shapes(model: nn.Module, cfg: LoraConfig) -> dict[str, tuple[int, int]]:
+    """``{path: (in_features, out_features)}`` of every adapted layer (works on a meta model)."""
+    modules = dict(model.named_modules())
+    return {path: (modules[path].in_features, modules[path].out_features)
+            for path in target_paths(model, cfg.targets)}
+
+
+def adapter_parameter_count(model: nn.Module, cfg: LoraConfig) -> int:
+    """Parameters the adapters add: rank x (in + out) per adapted layer."""
+    return sum(cfg.rank * (i + o) for i, o in target_shapes(model, cfg).values()) if cfg.rank else 0
+
+
+def add_adapters(model: nn.Module, cfg: LoraConfig) -> nn.Module:
+    """Inject LoRA adapters into ``model`` in place (peft) and freeze everything else; returns
+    ``model``. The adapters are created on each base layer's device, in fp32."""
+    if cfg.rank < 1:
+        raise ValueError("add_adapters needs lora.rank >= 1")
+    paths = target_paths(model, cfg.targets)
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import inject_adapter_in_model
+
+    config = PeftLoraConfig(r=cfg.rank, lora_alpha=scale_numerator(cfg), lora_dropout=cfg.dropout, bias="none",
+                            target_modules="|".join(re.escape(path) for path in paths))   # full match, exact
+    inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    return model
+
+
+def is_lora_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a peft LoRA layer (False without importing peft when it is not loaded)."""
+    if "peft" not in sys.modules:
+        return False
+    from peft.tuners.lora import LoraLayer
+    return isinstance(module, LoraLayer)
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether a parameter name belongs to an adapter (``...lora_A.default.weight``)."""
+    return any(key in name for key in ADAPTER_KEYS)
+
+
+def base_parameter_names(model: nn.Module) -> set[str]:
+    """A LoRA model's frozen base: every parameter but the adapters (empty without adapters)."""
+    names = [name for name, _ in model.named_parameters()]
+    if not any(is_adapter_name(name) for name in names):
+        return set()
+    return {name for name in names if not is_adapter_name(name)}
+
+
+def base_name(name: str) -> str:
+    """The name a parameter of an adapted layer's base has in the plain model
+    (``attn.q.base_layer.weight`` -> ``attn.q.weight``)."""
+    return name.replace(".base_layer.", ".")
+
+
+def merge_adapters(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight (peft's merge, refusing NaN/inf) and put the
+    plain layers back: the result has the base model's parameter names. In place."""
+    for name, module in list(model.named_modules()):
+        if is_lora_layer(module):
+            module.merge(safe_merge=True)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, module.get_base_layer())
+    if hasattr(model, "peft_config"):
+        del model.peft_config
+    return model
