@@ -70,6 +70,6 @@ def lora_summary(model: nn.Module, cfg: LoraConfig) -> str:
     frozen = [p for p in model.parameters() if not p.requires_grad]
     layers = sum(1 for module in model.modules() if is_lora_layer(module))
     dtypes = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in frozen}))
+    share = 100 * trained / max(trained + sum(p.numel() for p in frozen), 1)
     return (f"LoRA: rank {cfg.rank}, alpha {scale_numerator(cfg):g}, on {layers} layers: {trained:,} adapter "
-            f"parameters train ({100 * trained / max(trained + sum(p.numel() for p in frozen), 1):.2f}% of the model); the base "
-            f"is frozen in {dtypes}")
+            f"parameters train ({share:.2f}% of the model); the base is frozen in {dtypes}")

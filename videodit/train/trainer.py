@@ -112,7 +112,8 @@ class Trainer:
             model = apply_lora(model, cfg.lora, base_dtype=torch.bfloat16 if use_bf16 else None)
             if self.is_main:
                 print(lora_summary(model, cfg.lora), flush=True)
-        self.parallel = parallelize(model, self.ctx, cfg.parallel, memory=cfg.memory, loss_fn=self.flow.loss if self.conditioning is None else self.conditioning.loss(self.flow.loss),
+        loss_fn = self.flow.loss if self.conditioning is None else self.conditioning.loss(self.flow.loss)
+        self.parallel = parallelize(model, self.ctx, cfg.parallel, memory=cfg.memory, loss_fn=loss_fn,
                                     autocast_dtype=torch.bfloat16 if use_bf16 else None,
                                     bucket_batch_sizes={f"{b.resolution}/{b.num_frames}/{b.ratio}": b.batch_size
                                                         for b in self.data.plan.buckets if b.batch_size},

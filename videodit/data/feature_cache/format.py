@@ -164,10 +164,11 @@ def check_compatible(manifest: dict, cfg: Config, buckets, where: str) -> None:
 
 def read_manifest(folder: Path, option: str = "data.cache") -> dict:
     path = folder / MANIFEST
+    where = f"{option}={folder}" if option.startswith(("data.", "--")) else f"{option} {folder}"
     if not folder.is_dir():
-        raise UserError(f"{option}={folder} does not exist; build it with `videodit cache build CONFIG --out {folder}`")
+        raise UserError(f"{where} does not exist; build it with `videodit cache build CONFIG --out {folder}`")
     if not path.is_file():
-        raise UserError(f"{option}={folder} is not a feature cache (no {MANIFEST}); build one with "
+        raise UserError(f"{where} is not a feature cache (no {MANIFEST}); build one with "
                         f"`videodit cache build CONFIG --out DIR`")
     try:
         manifest = json.loads(path.read_text())
