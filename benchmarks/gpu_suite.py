@@ -55,7 +55,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import math
 import os
 import platform
 import re
@@ -74,7 +73,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from videodit.config import MemoryConfig, load_config  # noqa: E402
+from videodit.config import load_config  # noqa: E402
 from videodit.components import model_geometry  # noqa: E402
 from videodit.diffusion.rectified_flow import RectifiedFlow  # noqa: E402
 from videodit.models.flops import train_step_flops  # noqa: E402
@@ -437,7 +436,7 @@ def section_sdpa(w: Workload, report: Report, args) -> None:
         q = torch.randn(q_shape, device=w.device, dtype=dtype, requires_grad=True)
         k, v = (torch.randn(kv_shape, device=w.device, dtype=dtype, requires_grad=True) for _ in range(2))
 
-        def run():
+        def run(q=q, k=k, v=v, attn_mask=attn_mask):
             F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask).sum().backward()
 
         run()
@@ -483,7 +482,7 @@ def section_fastpaths(w: Workload, report: Report, args) -> None:
         p.grad = torch.randn_like(p)
     for name, options in (("for-loop", dict(foreach=False)), ("foreach", dict(foreach=True)),
                           ("fused", dict(fused=True))):
-        def measure(options=options):
+        def measure(options=options, params=params):
             optimizer = torch.optim.AdamW(params, lr=1e-5, **options)
             optimizer.step()     # creates the state
             sync(w.device)
