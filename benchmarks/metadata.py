@@ -1,7 +1,8 @@
 """Metadata at scale: the columnar reader and node cache, the vectorized sampler plan.
 
     python benchmarks/metadata.py [--rows 10000000] [--small-rows 1000000] [--ranks 4]
-                                  [--repeats 2] [--work DIR] [--before 610fe6b] [--only-startup]
+                                  [--repeats 2] [--work DIR] [--before 610fe6b] [--before-rows N ...]
+                                  [--only-startup]
 
 Synthetic Open-Sora metadata is written once into ``--work`` (kept for later runs) as CSV
 and Parquet: ``path,text,num_frames,height,width,aspect_ratio,fps,resolution``; 30% images
@@ -17,16 +18,19 @@ bad rows (negative num_frames). Then, each in its own process, wall seconds and 
   epoch's sampler plan, the report): cold (a fresh ``data.metadata_cache`` folder, so the
   file is read, checked and cached), warm (the same folder again: cache and epoch-0
   assignment mapped) and ``data.metadata_cache=null`` (read, not cached);
-* before/after at ``--small-rows``: the same command run on the code of commit ``--before``
-  (``git archive`` into a temporary folder, first on PYTHONPATH; a read-only git command);
+* before/after at ``--before-rows`` (default ``--small-rows``): the same command run on the
+  code of commit ``--before`` (``git archive`` into a temporary folder, first on PYTHONPATH;
+  a read-only git command), without a cache as the old code had none;
 * training start-up under torchrun (gloo, CPU, ``OMP_NUM_THREADS=1``): on every rank,
   ``build_training_data`` (metadata, bucket plan, sampler plan and its first batch) for
   the stage-1 config, from a barrier to the end of the slowest rank, at 1 rank and at
   ``--ranks`` ranks, each with a fresh cache. Memory per rank from
   ``/proc/self/smaps_rollup`` at the end (all ranks still alive): RSS counts shared pages
   (libraries, the mapped cache) once per rank; PSS splits them between the ranks that map
-  them, so the sum of PSS is the node memory the ranks use. "above floor" subtracts each
-  rank's value measured just before ``build_training_data`` (Python, torch and gloo).
+  them, so the sum of PSS is the node memory the ranks use; "anon" is the anonymous
+  (heap) memory, which no other process shares and the kernel cannot drop, unlike the
+  mapped cache's file pages. "above floor" subtracts each rank's value measured just before
+  ``build_training_data`` (Python, torch and gloo).
 """
 
 from __future__ import annotations
@@ -126,7 +130,7 @@ def memory() -> dict:
             parts = line.split()
             if len(parts) == 3 and parts[2] == "kB":
                 fields[parts[0].rstrip(":")] = int(parts[1]) / 2**20   # GiB
-    return {"rss": fields["Rss"], "pss": fields["Pss"],
+    return {"rss": fields["Rss"], "pss": fields["Pss"], "anon": fields["Anonymous"],
             "uss": fields["Private_Clean"] + fields["Private_Dirty"],
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
@@ -172,6 +176,7 @@ def startup(csv: Path, ranks: int, work: Path) -> dict:
     return {"ranks": ranks, "seconds": max(r["seconds"] for r in reports), "torchrun_wall": wall,
             "read_s": max(r["read_s"] for r in reports), "how": [r["how"] for r in reports],
             "rss": total("end", "rss"), "pss": total("end", "pss"), "uss": total("end", "uss"),
+            "anon": total("end", "anon"), "anon_above_floor": total("end", "anon") - total("floor", "anon"),
             "peak_rss": total("end", "peak_rss"),
             "pss_above_floor": total("end", "pss") - total("floor", "pss"),
             "rss_above_floor": total("end", "rss") - total("floor", "rss"), "steps": reports[0]["steps"]}
@@ -193,6 +198,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "videodit-metadata-bench")
     parser.add_argument("--before", default="610fe6b", help="commit with the row-by-row reader ('' to skip)")
+    parser.add_argument("--before-rows", type=int, nargs="*", help="row counts to run --before at (default: "
+                        "--small-rows; at 10M rows the old reader needs about 15 GB)")
     parser.add_argument("--only-startup", action="store_true", help="only the torchrun start-up measurement")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -235,7 +242,7 @@ def main() -> None:
                                       "global_batches": reports[0]["global_batches"]}
             print(f"{n:,} rows {kind}: bare {bare_s:.2f}s; buckets cold {best(measured['cold'])[0]:.2f}s, warm "
                   f"{best(measured['warm'])[0]:.2f}s; identical reports: {same}", flush=True)
-        if n == args.small_rows and args.before:
+        if args.before and n in (args.before_rows or [args.small_rows]):
             code = before_code(args.before)
             try:
                 old = [buckets(csv, "null", code) for _ in range(args.repeats)]
@@ -269,14 +276,15 @@ def main() -> None:
     one, many = starts[1], starts[args.ranks]
     print(f"\ntraining start-up, {args.rows:,} rows, cold cache, torchrun gloo CPU, best of {args.repeats}:\n")
     print("| ranks | start-up s (slowest rank) | read+check s | RSS sum GiB | PSS sum GiB | PSS above floor GiB "
-          "| peak RSS sum GiB | who read |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| anon above floor GiB | peak RSS sum GiB | who read |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for s in starts.values():
         print(f"| {s['ranks']} | {s['seconds']:.2f} | {s['read_s']:.2f} | {s['rss']:.2f} | {s['pss']:.2f} | "
-              f"{s['pss_above_floor']:.2f} | {s['peak_rss']:.2f} | {', '.join(s['how'])} |")
-    print(f"\n{args.ranks} ranks / 1 rank: time {many['seconds'] / one['seconds']:.2f}x, PSS sum "
-          f"{many['pss'] / one['pss']:.2f}x, PSS above floor {many['pss_above_floor'] / one['pss_above_floor']:.2f}x, "
-          f"RSS sum {many['rss'] / one['rss']:.2f}x")
+              f"{s['pss_above_floor']:.2f} | {s['anon_above_floor']:.2f} | {s['peak_rss']:.2f} | "
+              f"{', '.join(s['how'])} |")
+    ratio = lambda key: f"{many[key] / one[key]:.2f}x"
+    print(f"\n{args.ranks} ranks / 1 rank: time {ratio('seconds')}, RSS sum {ratio('rss')}, PSS sum {ratio('pss')}, "
+          f"PSS above floor {ratio('pss_above_floor')}, anon above floor {ratio('anon_above_floor')}")
     (work / "results.json").write_text(json.dumps(results, indent=1, default=str))
 
 

@@ -247,3 +247,29 @@ def test_score_splits_seen_and_heldout():
     assert summary["seen"] == {"colour_accuracy": 0.5, "direction_accuracy": 1.0, "n": 2}
     assert summary["heldout"] == {"colour_accuracy": 1.0, "direction_accuracy": 0.0, "n": 1}
     assert score([])["seen"] == {"colour_accuracy": None, "direction_accuracy": None, "n": 0}
+
+
+def test_ranks_starting_together_generate_the_toy_dataset_once(tmp_path, capsys):
+    # torchrun starts every rank on a missing toy folder at once: one generates, the others
+    # wait for it and then find the whole folder (train.csv, written last, and val.csv).
+    import threading
+
+    from videodit.config import load_config
+    from videodit.toy.make import ensure_toy_data
+
+    folder = tmp_path / f"{toy.TOY_FOLDER_PREFIX}-race"
+    cfg = load_config("tiny", [f"data.csv={folder / 'train.csv'}", "toy.clips_per_combination=1",
+                               "toy.num_frames=2", "toy.sizes=[[8, 8]]"])
+    found = []
+
+    def rank():
+        ensure_toy_data(cfg)
+        found.append((folder / "train.csv").exists() and (folder / "val.csv").exists())
+
+    ranks = [threading.Thread(target=rank) for _ in range(3)]
+    for thread in ranks:
+        thread.start()
+    for thread in ranks:
+        thread.join()
+    assert found == [True, True, True]
+    assert capsys.readouterr().out.count("generating the toy dataset") == 1

@@ -23,6 +23,7 @@ def cmd_train(ns) -> int:
     else:
         run_dir = Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     trainer = Trainer(cfg, run_dir)
+    ctx = trainer.ctx
     try:
         say = print if trainer.is_main else (lambda *a, **k: None)
         say(f"run folder: {run_dir}  |  model: {cfg.model.preset}, {trainer.num_params:,} parameters  |  "
@@ -39,7 +40,8 @@ def cmd_train(ns) -> int:
         say(f"done: step {result['step']}, loss {result.get('loss', float('nan')):.4f}; samples in "
             f"{run_dir / 'samples'}, checkpoints in {run_dir / 'checkpoints'}", flush=True)
     finally:
-        trainer.ctx.close()
+        del trainer   # see DistContext.close
+        ctx.close()
     return 0
 
 

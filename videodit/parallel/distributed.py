@@ -6,6 +6,7 @@ process and every collective below is a no-op, so the trainer has one code path.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -113,8 +114,12 @@ class DistContext:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
     def close(self) -> None:
+        """Leave the process group. Drop the trainer first: its model and meshes hold gloo groups
+        whose worker threads must be joined now, while Python is whole. Joined at interpreter exit,
+        a worker that frees a tensor needs the GIL of a dying interpreter and aborts the rank."""
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
+            gc.collect()
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:

@@ -18,6 +18,7 @@ with ``path`` relative to the CSV's folder and ``aspect_ratio = height / width``
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import time
@@ -183,8 +184,8 @@ def make_toy_dataset(out_dir: str | os.PathLike, clips_per_combination: int = 10
 
     train_rows = [_write_clip(out_dir, job, num_frames, fps, seed) for job in train_jobs]
     val_rows = [_write_clip(out_dir, job, num_frames, fps, seed) for job in val_jobs]
-    write_csv(out_dir / "train.csv", CSV_COLUMNS, train_rows)
     write_csv(out_dir / "val.csv", CSV_COLUMNS + ("heldout",), val_rows)
+    write_csv(out_dir / "train.csv", CSV_COLUMNS, train_rows)   # last: its presence means the folder is whole
 
     all_rows = train_rows + val_rows
     num_images = sum(row["path"].endswith(".png") for row in all_rows)
@@ -291,8 +292,14 @@ def ensure_toy_data(cfg: Config) -> None:
     if (csv.exists() or not cfg.data.make_toy_if_missing or csv.name != "train.csv"
             or not csv.parent.name.startswith(TOY_FOLDER_PREFIX)):
         return
-    print(f"generating the toy dataset in {csv.parent} ...", flush=True)
-    toy = cfg.toy
-    make_toy_dataset(csv.parent, clips_per_combination=toy.clips_per_combination, num_frames=toy.num_frames,
-                     fps=toy.fps, sizes=[tuple(size) for size in toy.sizes], image_fraction=toy.image_fraction,
-                     seed=cfg.train.seed)
+    csv.parent.parent.mkdir(parents=True, exist_ok=True)
+    with open(csv.parent.parent / f".{csv.parent.name}.lock", "w") as lock:
+        # torchrun's ranks all get here: one generates, the others wait for it and find train.csv.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if csv.exists():
+            return
+        print(f"generating the toy dataset in {csv.parent} ...", flush=True)
+        toy = cfg.toy
+        make_toy_dataset(csv.parent, clips_per_combination=toy.clips_per_combination, num_frames=toy.num_frames,
+                         fps=toy.fps, sizes=[tuple(size) for size in toy.sizes],
+                         image_fraction=toy.image_fraction, seed=cfg.train.seed)

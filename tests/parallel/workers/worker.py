@@ -6,6 +6,7 @@ rank 0 writes OUT/NAME.pt with the whole final weights, the losses and, per rank
 sample keys of every batch it trained on.
 """
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -41,7 +42,14 @@ def main() -> None:
     torch.set_num_threads(1)
     for run in spec["runs"]:
         train(run["name"], run["overrides"], run["steps"], Path(spec["out"]))
+        # A run's model, optimizer and meshes form reference cycles that hold its gloo groups and their
+        # worker threads. Freed at interpreter exit, a worker that drops a tensor then needs the GIL
+        # Python is tearing down, and the rank aborts ("terminate called without an active
+        # exception", seen in CI); freed here, while Python is whole, the threads are joined cleanly.
+        gc.collect()
+    dist.barrier()   # nobody closes its sockets while a peer still talks
     dist.destroy_process_group()
+    gc.collect()
 
 
 if __name__ == "__main__":
