@@ -40,31 +40,17 @@ from videodit.data.dataset import VideoDataset
 from videodit.data.feature_cache import FeatureCache
 from videodit.data.metadata import read_metadata
 from videodit.models.temporal_vae import latent_frames
-from videodit.toy.encoder import TOY_VOCAB
 from videodit.toy.make import make_toy_dataset
+from videodit.toy.stand_ins import save_kl_vae, save_t5
 from videodit.train.trainer import Trainer
 
 
 def make_encoders(root: Path) -> tuple[Path, Path]:
-    from diffusers import AutoencoderKL
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
-
-    torch.manual_seed(0)
-    AutoencoderKL(block_out_channels=(32, 64, 64, 64), down_block_types=("DownEncoderBlock2D",) * 4,
-                  up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=2, latent_channels=4,
-                  norm_num_groups=32, scaling_factor=0.18215).save_pretrained(root / "vae")
-    words = ["<pad>", "</s>", "<unk>", *TOY_VOCAB[2:]]
-    vocab = {w: i for i, w in enumerate(words)}
-    T5EncoderModel(T5Config(vocab_size=len(words), d_model=256, d_ff=1024, d_kv=32, num_layers=2, num_heads=8,
-                            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)).save_pretrained(root / "t5")
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.normalizer = normalizers.Lowercase()
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>",
-                            eos_token="</s>").save_pretrained(root / "t5")
-    return root / "vae", root / "t5"
+    """A random diffusers VAE (8x spatial) and T5 of moderate size, so that encoding costs what a step does."""
+    vae = save_kl_vae(root / "vae", block_out_channels=(32, 64, 64, 64), layers_per_block=2, norm_num_groups=32,
+                      scaling_factor=0.18215)
+    t5 = save_t5(root / "t5", d_model=256, d_ff=1024, d_kv=32, num_layers=2, num_heads=8)
+    return vae, t5
 
 
 def bare_decode_encode(cfg, batch_size: int) -> tuple[int, float]:

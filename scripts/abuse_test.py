@@ -89,7 +89,6 @@ def build_cases(tmp: Path) -> list[Case]:
     # One finished run to abuse: two steps, a checkpoint at each.
     result = videodit(*tiny(run, "train.max_steps=2", "checkpoint.every_steps=1"))
     assert result.returncode == 0, result.stderr[-2000:]
-    ckpts = run / "checkpoints"
 
     def copy_run(name: str) -> Path:
         target = tmp / name

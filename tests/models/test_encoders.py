@@ -17,6 +17,7 @@ from videodit.errors import UserError
 from videodit.components import build_text_encoder
 from videodit.models.text import HFTextEncoder
 from videodit.toy.encoder import ToyTextEncoder
+from videodit.toy.stand_ins import save_kl_vae, save_t5, save_word_tokenizer
 from videodit.models.vae import Diffusers2DVAE, Diffusers3DVAE, IdentityVAE, build_vae
 
 
@@ -49,21 +50,8 @@ def _video(batch: int, frames: int, size: int = 16, seed: int = 0) -> torch.Tens
 @pytest.fixture(scope="module")
 def kl_dir(tmp_path_factory):
     """A tiny 2-D AutoencoderKL (spatial compression 2) under a 'vae' subfolder."""
-    from diffusers import AutoencoderKL
-
-    torch.manual_seed(0)
-    model = AutoencoderKL(
-        block_out_channels=(8, 16),
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=8,
-        scaling_factor=0.5,
-        shift_factor=0.1,
-    )
     root = tmp_path_factory.mktemp("kl")
-    model.save_pretrained(root / "vae")
+    save_kl_vae(root / "vae", shift_factor=0.1)
     return root
 
 
@@ -122,37 +110,9 @@ def video_vae(request):
 TOKENS = ["<pad>", "</s>", "<unk>", "a", "red", "green", "circle", "square", "moving", "left", "up"]
 
 
-def _save_word_tokenizer(path) -> None:
-    """A WordLevel tokenizer that appends </s> like T5, saved for AutoTokenizer."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {word: i for i, word in enumerate(TOKENS)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.normalizer = normalizers.Lowercase()
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="$A </s>", special_tokens=[("</s>", vocab["</s>"])]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", eos_token="</s>"
-    )
-    fast.save_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def t5_dir(tmp_path_factory):
-    from transformers import T5Config, T5EncoderModel
-
-    torch.manual_seed(0)
-    config = T5Config(
-        vocab_size=len(TOKENS), d_model=16, d_ff=32, d_kv=8, num_layers=1, num_heads=2,
-        pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-    )
-    path = tmp_path_factory.mktemp("t5")
-    T5EncoderModel(config).save_pretrained(path)
-    _save_word_tokenizer(path)
-    return path
+    return save_t5(tmp_path_factory.mktemp("t5"), words=TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +127,7 @@ def bert_dir(tmp_path_factory):
     )
     path = tmp_path_factory.mktemp("bert")
     BertModel(config).save_pretrained(path)
-    _save_word_tokenizer(path)
+    save_word_tokenizer(path, TOKENS)
     return path
 
 

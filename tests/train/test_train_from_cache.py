@@ -111,27 +111,11 @@ def test_resume_from_the_cache_is_exact_mid_epoch(toy_dir, tmp_path):
 def encoders(tmp_path_factory):
     """A tiny random diffusers AutoencoderKL (2x spatial, 4 channels) and a tiny random T5 with a
     word tokenizer over the toy vocabulary."""
-    from diffusers import AutoencoderKL
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
-
-    from videodit.toy.encoder import TOY_VOCAB
+    from videodit.toy.stand_ins import save_kl_vae, save_t5
 
     root = tmp_path_factory.mktemp("encoders")
-    torch.manual_seed(0)
-    AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
-                  up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=4,
-                  norm_num_groups=8, scaling_factor=0.5).save_pretrained(root / "vae")
-    words = ["<pad>", "</s>", "<unk>", *TOY_VOCAB[2:]]
-    vocab = {w: i for i, w in enumerate(words)}
-    T5EncoderModel(T5Config(vocab_size=len(words), d_model=16, d_ff=32, d_kv=8, num_layers=1, num_heads=2,
-                            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)).save_pretrained(root / "t5")
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.normalizer = normalizers.Lowercase()
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>",
-                            eos_token="</s>").save_pretrained(root / "t5")
+    save_kl_vae(root / "vae")
+    save_t5(root / "t5")
     return root
 
 

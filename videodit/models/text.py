@@ -9,8 +9,6 @@ consumer that ignores the mask still sees nothing from padding. Encoders are fro
 
 from __future__ import annotations
 
-import math
-import string
 from pathlib import Path
 
 import torch

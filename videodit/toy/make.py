@@ -19,7 +19,6 @@ with ``path`` relative to the CSV's folder and ``aspect_ratio = height / width``
 from __future__ import annotations
 
 import fcntl
-import itertools
 import os
 import time
 from pathlib import Path
