@@ -23,7 +23,9 @@ def main(spec_json: str) -> None:
         predicted = planner.estimate(batch, frames, height, width)
         print(json.dumps({"rank": trainer.ctx.rank, "measured": measured.as_dict(),
                           "predicted": predicted.as_dict()}), flush=True)
-        trainer.ctx.close()
+        ctx = trainer.ctx
+        del trainer   # its gloo groups go before Python's teardown (see DistContext.close)
+        ctx.close()
 
 
 if __name__ == "__main__":
