@@ -13,7 +13,7 @@ from videodit.models.vae import build_vae
 from videodit.toy.encoder import TOY_MAX_LENGTH, ToyTextEncoder
 
 TEXT_KINDS = ("toy", "transformers")
-TEXT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}   # vae.dtype, text.dtype
 
 
 def build_text_encoder(kind: str, path: str | None = None, max_length: int | None = None, dim: int = 64,
@@ -32,9 +32,9 @@ def build_encoders(cfg: Config, device: torch.device):
     """The frozen VAE and text encoder (no gradients, eval mode)."""
     vae = build_vae(cfg.vae.kind, path=cfg.vae.path, subfolder=cfg.vae.subfolder,
                     scaling_factor=cfg.vae.scaling_factor, micro_batch=cfg.vae.micro_batch,
-                    temporal_micro_batch=cfg.vae.temporal_micro_batch)
+                    temporal_micro_batch=cfg.vae.temporal_micro_batch, dtype=DTYPES[cfg.vae.dtype])
     text = build_text_encoder(cfg.text.kind, path=cfg.text.path, max_length=cfg.text.max_length,
-                              dim=cfg.text.dim, dtype=TEXT_DTYPES[cfg.text.dtype])
+                              dim=cfg.text.dim, dtype=DTYPES[cfg.text.dtype])
     return vae.to(device), text.to(device)
 
 

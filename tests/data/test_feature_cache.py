@@ -98,13 +98,14 @@ def test_torchrun_build_equals_a_one_process_build(toy_dir, tmp_path):
 def test_a_cache_for_another_config_is_refused_in_one_line(toy_dir, tmp_path):
     build_cache(config(toy_dir), tmp_path / "c", shard_size=64, log=quiet)
     cache = str(tmp_path / "c")
-    cases = {
-        "another text encoder": {"text.dim": 32},
-        "another VAE": {"vae.scaling_factor": 0.5},
-        "another resolution table": {"data.height": 8, "data.width": 8},
-        "another frame sampling": {"data.frame_interval": 2},
-    }
-    for reason, change in cases.items():
+    cases = [
+        ("another text encoder", {"text.dim": 32}),
+        ("another VAE", {"vae.scaling_factor": 0.5}),
+        ("another VAE", {"vae.dtype": "bf16"}),   # bf16 encodes other latents
+        ("another resolution table", {"data.height": 8, "data.width": 8}),
+        ("another frame sampling", {"data.frame_interval": 2}),
+    ]
+    for reason, change in cases:
         with pytest.raises(UserError) as info:
             Trainer(config(toy_dir, **{"data.cache": cache, **change}), tmp_path / "run")
         message = str(info.value)

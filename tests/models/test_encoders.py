@@ -373,3 +373,18 @@ def test_text_dtype_bf16_halves_the_weights_and_keeps_fp32_embeddings(t5_dir):
     emb32, mask32 = fp32.encode(["a red circle", "zzz"])
     assert emb16.dtype == torch.float32 and torch.equal(mask16, mask32)
     assert torch.allclose(emb16, emb32, atol=0.05, rtol=0.05) and not torch.equal(emb16, emb32)
+
+
+def test_vae_dtype_bf16_halves_the_weights_and_keeps_fp32_latents(kl_dir, kl_vae):
+    from videodit.components import build_encoders
+    from videodit.config import load_config
+
+    cfg = load_config("tiny", ["vae.kind=diffusers", f"vae.path={kl_dir}", "vae.subfolder=vae", "vae.dtype=bf16"])
+    bf16, _ = build_encoders(cfg, torch.device("cpu"))
+    assert {p.dtype for p in bf16.vae.parameters()} == {torch.bfloat16}
+    video = _video(1, 3)
+    latents16, latents32 = bf16.encode(video), kl_vae.encode(video)
+    assert latents16.dtype == torch.float32 and latents16.shape == latents32.shape
+    assert torch.allclose(latents16, latents32, atol=0.05, rtol=0.05) and not torch.equal(latents16, latents32)
+    decoded = bf16.decode(latents32)
+    assert decoded.dtype == torch.float32 and torch.allclose(decoded, kl_vae.decode(latents32), atol=0.05)

@@ -88,13 +88,13 @@ def encoder_identity(cfg: Config) -> dict:
     vae = {"kind": cfg.vae.kind, "scaling_factor": cfg.vae.scaling_factor}
     if cfg.vae.kind != "identity":
         vae.update(subfolder=cfg.vae.subfolder, **_model_files(cfg.vae.path, cfg.vae.subfolder))
-    if getattr(cfg.vae, "dtype", None) is not None:
+    if cfg.vae.dtype != "fp32":   # recorded only when set, so caches from before the key still match
         vae["dtype"] = cfg.vae.dtype
     text = {"kind": cfg.text.kind, "max_length": cfg.text.max_length}
     if cfg.text.kind == "toy":
         text["dim"] = cfg.text.dim
     else:
-        text.update(dtype=getattr(cfg.text, "dtype", "fp32"), **_model_files(cfg.text.path))
+        text.update(dtype=cfg.text.dtype, **_model_files(cfg.text.path))
     return {"vae": vae, "text": text}
 
 
