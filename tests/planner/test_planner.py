@@ -218,3 +218,21 @@ def test_tune_search_finds_the_largest_fitting_batch(capacity, start):
     assert search_max_batch(fits, start=start, limit=4096) == min(capacity, 4096)
     assert len(tried) <= 2 * 13 + 2          # doubling then bisection: logarithmic
     assert search_max_batch(lambda b: b <= capacity, start=start, multiple=4) == min(capacity, 4096) // 4 * 4
+
+
+def test_frozen_encoder_bytes_read_safetensors_headers_at_the_configured_dtype(tmp_path):
+    # T5-XXL's files may be fp32 while text.dtype=bf16 loads half of that: the header's shapes
+    # count, not the file size. A file that only looks like safetensors counts by its size.
+    import torch
+    from safetensors.torch import save_file
+
+    from videodit.planner.plan import frozen_encoder_bytes
+
+    save_file({"w": torch.zeros(100, 10), "b": torch.zeros(10)}, tmp_path / "model.safetensors")
+    toy = frozen_encoder_bytes(load_config("tiny", []))   # the built-in toy text encoder
+    sizes = {dtype: frozen_encoder_bytes(load_config("tiny", ["vae.kind=diffusers", f"vae.path={tmp_path}",
+                                                             f"vae.dtype={dtype}"])) - toy
+             for dtype in ("fp32", "bf16")}
+    assert sizes == {"fp32": 1010 * 4, "bf16": 1010 * 2}
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 8 + b"not a header")
+    assert frozen_encoder_bytes(load_config("tiny", ["vae.kind=diffusers", f"vae.path={tmp_path}"])) - toy == 20

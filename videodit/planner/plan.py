@@ -242,11 +242,13 @@ def written_bucket_config(cfg: Config, plans: list[BucketFit]) -> dict:
 
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def frozen_encoder_bytes(cfg: Config) -> int:
     """GPU bytes of the frozen VAE and text encoder: the built-in ones are counted, local
-    pretrained ones by the size of their weight files (no loading)."""
+    pretrained ones from their weight files without loading them: safetensors headers give
+    the element counts (at ``vae.dtype`` / ``text.dtype``), other files count by their size."""
     from pathlib import Path
 
     from videodit.components import build_text_encoder
@@ -254,12 +256,32 @@ def frozen_encoder_bytes(cfg: Config) -> int:
     if cfg.text.kind == "toy":
         encoder = build_text_encoder("toy", path=None, max_length=cfg.text.max_length, dim=cfg.text.dim)
         total += sum(t.numel() * t.element_size() for t in (*encoder.parameters(), *encoder.buffers()))
-    for kind, path, sub in (("vae", cfg.vae.path, cfg.vae.subfolder), ("text", cfg.text.path, None)):
-        if path:
-            folder = Path(path) / sub if sub else Path(path)
-            total += sum(f.stat().st_size for f in folder.rglob("*") if f.suffix in _WEIGHT_SUFFIXES) \
-                if folder.is_dir() else 0
+    for path, sub, dtype in ((cfg.vae.path, cfg.vae.subfolder, cfg.vae.dtype), (cfg.text.path, None, cfg.text.dtype)):
+        folder = Path(path) / sub if path and sub else Path(path) if path else None
+        if folder is not None and folder.is_dir():
+            total += sum(_weight_bytes(f, _DTYPE_BYTES[dtype]) for f in folder.rglob("*")
+                         if f.suffix in _WEIGHT_SUFFIXES)
     return total
+
+
+def _weight_bytes(file, element_bytes: int) -> int:
+    """Bytes of a weight file's tensors once loaded at ``element_bytes`` per element: from the
+    JSON header of a safetensors file (read as text, never executed), else the file's size."""
+    import json
+    import math
+
+    if file.suffix == ".safetensors":
+        try:
+            with open(file, "rb") as handle:
+                size = int.from_bytes(handle.read(8), "little")
+                if size > 100 * 2**20:   # safetensors caps headers at 100 MB: not one
+                    raise ValueError(size)
+                header = json.loads(handle.read(size))
+            return element_bytes * sum(math.prod(entry["shape"]) for name, entry in header.items()
+                                       if name != "__metadata__")
+        except (OSError, ValueError, KeyError, TypeError):
+            pass   # not a readable safetensors file: its size is the best guess
+    return file.stat().st_size
 
 
 def planner_from_config(cfg: Config, gpu_bytes: int, *, world_size: int | None = None, margin: float = 0.1,
