@@ -129,8 +129,8 @@ def register(sub) -> None:
         p.add_argument("--latent", help="VAE geometry when the config's VAE is not built in: opensora-v1.2 or "
                        "C,FT,FS (channels, frames per latent frame, pixels per latent)")
         p.add_argument("--caption", help="text encoder geometry when not built in: CHANNELS,LENGTH (T5-XXL: 4096,300)")
-        p.add_argument("--encoder-mem", help="GPU memory of the frozen encoders (default: counted from their weight files at "
-                       "vae.dtype / text.dtype)")
+        p.add_argument("--encoder-mem", help="GPU memory of the frozen encoders (default: counted from their "
+                       "weight files at vae.dtype / text.dtype)")
         p.add_argument("--encoders-cached", action="store_true", help="features are precomputed: no encoders on GPU")
         if name == "plan":
             p.add_argument("--json", action="store_true", help="print a JSON object instead of the table")
