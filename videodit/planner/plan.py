@@ -256,7 +256,8 @@ def frozen_encoder_bytes(cfg: Config) -> int:
     if cfg.text.kind == "toy":
         encoder = build_text_encoder("toy", path=None, max_length=cfg.text.max_length, dim=cfg.text.dim)
         total += sum(t.numel() * t.element_size() for t in (*encoder.parameters(), *encoder.buffers()))
-    for path, sub, dtype in ((cfg.vae.path, cfg.vae.subfolder, cfg.vae.dtype), (cfg.text.path, None, cfg.text.dtype)):
+    encoders = ((cfg.vae.path, cfg.vae.subfolder, cfg.vae.dtype), (cfg.text.path, None, cfg.text.dtype))
+    for path, sub, dtype in encoders:
         folder = Path(path) / sub if path and sub else Path(path) if path else None
         if folder is not None and folder.is_dir():
             total += sum(_weight_bytes(f, _DTYPE_BYTES[dtype]) for f in folder.rglob("*")

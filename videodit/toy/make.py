@@ -291,8 +291,8 @@ def ensure_toy_data(cfg: Config) -> None:
     if (csv.exists() or not cfg.data.make_toy_if_missing or csv.name != "train.csv"
             or not csv.parent.name.startswith(TOY_FOLDER_PREFIX)):
         return
-    csv.parent.parent.mkdir(parents=True, exist_ok=True)
-    with open(csv.parent.parent / f".{csv.parent.name}.lock", "w") as lock:
+    csv.parent.mkdir(parents=True, exist_ok=True)
+    with open(csv.parent / ".generating.lock", "w") as lock:
         # torchrun's ranks all get here: one generates, the others wait for it and find train.csv.
         fcntl.flock(lock, fcntl.LOCK_EX)
         if csv.exists():
