@@ -5,6 +5,7 @@ storage created and still alive), fp32 on CPU. The planner must agree within 10%
 activations, parameters, gradients and optimizer state.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -107,6 +108,26 @@ def test_checkpointing_levers_order_the_activation_bytes():
     assert block_activation_bytes(*args, mode="none", compression="fp8") == pytest.approx(plain / 4)
     tp2 = block_activation_bytes(g, 4096, 4, 8, Parallel(tp=2), Precision())
     assert plain / 2 < tp2 < plain
+
+
+@pytest.mark.parametrize("every, fraction", [(1, 0.5), (2, 1.0), (3, 1.0), (1, 0.25)])
+def test_pipeline_checkpointing_counts_blocks_per_rank_as_parallelize_does(every, fraction):
+    # parallelize() checkpoints each rank's stage module, so checkpoint_every/_fraction pick
+    # among that rank's blocks; the planner's first stage must hold what that rank really keeps.
+    from videodit.config import MemoryConfig
+    from videodit.models.stdit import DiTGeometry, STDiT
+    from videodit.parallel.activation_checkpoint import apply_activation_checkpointing
+    from videodit.planner.estimate import Shape, activation_bytes
+
+    g = DiTGeometry(in_channels=4, caption_channels=16, caption_length=4, depth=8, hidden_size=32, num_heads=2)
+    memory = MemoryConfig(checkpointing="full", checkpoint_every=every, checkpoint_fraction=fraction)
+    first_stage = STDiT(dataclasses.replace(g, depth=g.depth // 2))   # the rank's module: half the blocks
+    chosen = apply_activation_checkpointing(first_stage, memory)
+    blocks = len(STDiT(g).blocks)   # spatial and temporal: 2 per depth
+    _, detail = activation_bytes(g, Shape(2, 2, 8, 8, 4, 4), Parallel(pp=2, microbatches=2, in_flight=2),
+                                 Precision(), memory, blocks)
+    assert detail["blocks_on_rank"] == len(first_stage.blocks) == blocks // 2
+    assert detail["checkpointed_blocks"] == len(chosen)
 
 
 # ---------------------------------------------------------------------------- the command

@@ -255,11 +255,13 @@ def activation_bytes(geometry: DiTGeometry, shape: Shape, parallel: Parallel, pr
         shape = dataclasses.replace(shape, batch=max(1, shape.batch // parallel.microbatches))
     tokens = shape.batch * shape.tokens(geometry) // parallel.sp
     blocks_here = math.ceil(num_blocks / parallel.pp)
-    checkpointed = set(memory.checkpointed_blocks(num_blocks))
+    # Under PP each rank chooses among its own blocks (parallelize() checkpoints the stage
+    # module), so checkpoint_every / checkpoint_fraction count per rank, not over the model.
+    checkpointed = set(memory.checkpointed_blocks(blocks_here))
     args = (geometry, tokens, shape.batch, shape.caption_length, parallel, precision)
     per_block = {mode: block_activation_bytes(*args, mode=mode, compression=memory.compression, lora=lora)
                  for mode in ("none", "full", "selective")}
-    # The first pipeline stage holds the most: its blocks are 0 .. blocks_here-1.
+    # The first pipeline stage holds the most: its blocks, numbered 0 .. blocks_here-1.
     modes = [memory.checkpointing if i in checkpointed else "none" for i in range(blocks_here)]
     kept_blocks = sum(per_block[mode] for mode in modes)
     if lora is not None and modes and modes[0] == "none":
