@@ -147,8 +147,9 @@ class VAEConfig:
     micro_batch: int = opt(16, "frames per pass of a per-frame VAE (opensora-v1.2: of its SD-VAE)", min=1)
     temporal_micro_batch: int = opt(4, "17-frame pieces per pass of Open-Sora 1.2's temporal VAE (pieces of "
                                     "all clips in a batch are encoded together; vae.kind=opensora-v1.2)", min=1)
-    dtype: str = opt("fp32", "weights and compute of a pretrained VAE: bf16 halves its memory and time on a GPU "
-                     "(Open-Sora 1.2 trains with a bf16 VAE); latents come out in fp32 either way",
+    dtype: str = opt("fp32", "weights and compute of a pretrained VAE: bf16 halves its weights' memory (Open-Sora "
+                     "1.2 runs its VAE in bf16; bf16 runs on a GPU encode under autocast either way); latents "
+                     "come out in fp32",
                      choices=("fp32", "bf16", "fp16"))
 
 
