@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -42,3 +44,11 @@ def tiny_overrides(toy_dir, **extra) -> list[str]:
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
+
+
+def torchrun(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --standalone`` with ``nproc`` CPU processes (gloo), one
+    thread each; stdout and stderr captured."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)

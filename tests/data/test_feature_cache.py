@@ -2,10 +2,7 @@
 and the refusal of a cache made for another config. (Training from it: tests/train/test_train_from_cache.py.)"""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -13,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_overrides
+from conftest import tiny_overrides, torchrun
 from videodit.cache import build_cache
 from videodit.cli import main
 from videodit.config import load_config
@@ -86,10 +83,8 @@ def test_a_killed_build_resumes_without_redoing_finished_shards(toy_dir, tmp_pat
 def test_torchrun_build_equals_a_one_process_build(toy_dir, tmp_path):
     args = tiny_overrides(toy_dir)
     assert main(["cache", "build", "tiny", *args, "--out", str(tmp_path / "one"), "--shard-size", "8"]) == 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "videodit", "cache", "build", "tiny", *args, "--out", str(tmp_path / "two"),
-                           "--shard-size", "8"], capture_output=True, text=True, timeout=300, env=env)
+    done = torchrun(2, "-m", "videodit", "cache", "build", "tiny", *args, "--out", str(tmp_path / "two"),
+                    "--shard-size", "8")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rank 1: encoded 24 clips" in done.stdout + done.stderr   # shards 1, 3, 5 of 7 (8 + 8 + 8)
     assert files(tmp_path / "two") == files(tmp_path / "one")

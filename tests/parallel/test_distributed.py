@@ -8,16 +8,13 @@ AdamW steps at lr 1e-3 (the observed difference is ~1e-7, from summation order).
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_overrides
+from conftest import tiny_overrides, torchrun
 from videodit.cli import main
 from videodit.config import load_config
 from videodit.train.trainer import Trainer
@@ -25,13 +22,6 @@ from videodit.train.trainer import Trainer
 WORKER = Path(__file__).parent / "workers" / "worker.py"
 TOLERANCE = 1e-6
 STEPS = 3
-
-
-def torchrun(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--standalone", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def base(toy_dir, **extra):

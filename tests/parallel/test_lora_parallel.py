@@ -4,10 +4,6 @@ batch (tolerance as in test_distributed.py: 1e-6 absolute after 3 AdamW steps), 
 stays bitwise as it was, and a sharded LoRA checkpoint holds the adapters only and resumes.
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import tiny_overrides
+from conftest import tiny_overrides, torchrun
+from test_distributed import run_layouts
 from videodit.cli import main
 from videodit.components import model_geometry
 from videodit.config import load_config
@@ -23,16 +20,9 @@ from videodit.models.lora import is_adapter_name
 from videodit.models.stdit import STDiT
 from videodit.train.trainer import Trainer
 
-WORKER = Path(__file__).parent / "workers" / "worker.py"
 TOLERANCE = 1e-6
 STEPS = 3
 BUCKETS = "{'24px': {1: [1.0, 2], 4: [1.0, 2]}, '16px': {1: [1.0, 2], 4: [1.0, 2]}}"
-
-
-def torchrun(nproc: int, *args: str, timeout: int = 400) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def make_base(overrides: list[str], folder: Path) -> Path:
@@ -52,15 +42,6 @@ def lora_runs(data_dir, tmp_path: Path, **extra) -> list[str]:
     overrides = tiny_overrides(data_dir, **values)
     base = make_base(overrides, tmp_path / f"base-{abs(hash(tuple(overrides)))}")
     return overrides + ["lora.rank=4", f"model.init_from={base}"]
-
-
-def run_layouts(tmp_path: Path, nproc: int, runs: dict[str, list[str]]) -> dict[str, dict]:
-    spec = {"out": str(tmp_path), "runs": [{"name": name, "overrides": overrides, "steps": STEPS}
-                                           for name, overrides in runs.items()]}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    result = torchrun(nproc, str(WORKER), str(tmp_path / "spec.json"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return {name: torch.load(tmp_path / f"{name}.pt") for name in runs}
 
 
 def single_process(overrides: list[str], run_dir: Path) -> tuple[dict, list[float], dict]:
@@ -85,7 +66,7 @@ def assert_matches(got: dict, reference) -> None:
 
 def test_lora_under_ddp_fsdp_and_sp_matches_one_process(toy_dir, tmp_path):
     runs = lora_runs(toy_dir, tmp_path)
-    got = run_layouts(tmp_path, 2, {
+    got = run_layouts(toy_dir, tmp_path, 2, {
         "ddp": runs + ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
         "fsdp": runs + ["parallel.dp_shard=2"],
         "fsdp_checkpointing": runs + ["parallel.dp_shard=2", "memory.checkpointing=full"],
@@ -104,7 +85,7 @@ def test_lora_under_tensor_and_pipeline_parallel_matches_one_process(mixed_toy, 
               "mlp.fc1, mlp.fc2, t_block.1, caption_embedder.proj.fc1, caption_embedder.proj.fc2]"
     runs = lora_runs(mixed_toy, tmp_path, **{"model.depth": 2, "data.bucket_config": BUCKETS}) + \
         [f"lora.targets={targets}"]
-    got = run_layouts(tmp_path, 2, {"tp": runs + ["parallel.tp=2"], "pp": runs + ["parallel.pp=2"]})
+    got = run_layouts(mixed_toy, tmp_path, 2, {"tp": runs + ["parallel.tp=2"], "pp": runs + ["parallel.pp=2"]})
     reference = single_process(runs, tmp_path / "ref")
     for name in ("tp", "pp"):
         assert_matches(got[name], reference)
@@ -114,7 +95,7 @@ def test_sharded_lora_checkpoint_holds_the_adapters_and_resumes_on_one_process(t
     runs = lora_runs(toy_dir, tmp_path, **{"train.ema_decay": 0.9, "checkpoint.on_config_change": "continue"})
     two = tmp_path / "two"
     result = torchrun(2, "-m", "videodit", "train", "--out", str(two), *runs, "train.max_steps=2",
-                      "checkpoint.every_steps=2", "parallel.dp_shard=2")
+                      "checkpoint.every_steps=2", "parallel.dp_shard=2", timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     saved = two / "checkpoints" / "step-0000002"
     assert all(is_adapter_name(k) for k in load_file(saved / "model.safetensors"))

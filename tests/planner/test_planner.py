@@ -7,15 +7,12 @@ activations, parameters, gradients and optimizer state.
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import tiny_overrides
+from conftest import tiny_overrides, torchrun
 from videodit.cli import main
 from videodit.config import load_config
 from videodit.models.temporal_vae import latent_frames
@@ -66,12 +63,6 @@ def test_planner_matches_measurement_on_one_process(name, toy_dir, tmp_path):
     # Peak: the prediction is an upper bound (it adds the categories), but not a loose one.
     assert measured["peak"] <= predicted["activations"] + predicted["temporaries"] + predicted["grads"] \
         + predicted["optimizer"]
-
-
-def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
