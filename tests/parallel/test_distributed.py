@@ -125,6 +125,23 @@ def test_tensor_and_pipeline_parallel_match_one_process(mixed_toy, tmp_path):
     assert len(shapes_seen(got["tp"])) >= 2, shapes_seen(got["tp"])   # the bucket shape changed
 
 
+def test_pipeline_trains_with_frame_masks_as_one_process(mixed_toy, tmp_path):
+    # Open-Sora's frame masks (diffusion.mask_ratios) under PP: the mask travels between the
+    # stages with the per-frame adaLN input, and the last stage's loss leaves given frames out.
+    masks = "{'image_head': 0.3, 'quarter_tail': 0.3, 'random': 0.2}"
+    runs = bucketed(mixed_toy, **{"diffusion.mask_ratios": masks})
+    got = run_layouts(mixed_toy, tmp_path, 2, {
+        "pp_1f1b": runs + ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
+        "pp_interleaved": runs + ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+                                  "parallel.pp_microbatches=2"],
+    })
+    reference = single_process(runs, tmp_path / "ref")
+    for name in got:
+        assert_matches(got[name], reference)
+    unmasked = single_process(bucketed(mixed_toy), tmp_path / "unmasked")
+    assert unmasked[1] != pytest.approx(reference[1], rel=1e-3)   # the masks did change the losses
+
+
 def test_four_process_hybrids_match_one_process(mixed_toy, tmp_path):
     runs = bucketed(mixed_toy)
     got = run_layouts(mixed_toy, tmp_path, 4, {

@@ -28,13 +28,12 @@ from videodit.parallel.distributed import DistContext
 from videodit.models.flops import block_costs
 from videodit.models.stdit import STDiT
 from videodit.parallel.gradients import clip_gradients, gradient_sync, sum_partial_gradients
-from videodit.parallel.pipeline import PipelineSchedule, build_pipeline, check_microbatches, pack_target, pipeline_loss
+from videodit.parallel.pipeline import (X_MASK, PipelineSchedule, build_pipeline, check_microbatches,
+                                       pack_target, pipeline_loss)
 from videodit.parallel.saved_tensors import wrap_saved_tensors
 from videodit.parallel.sequence import apply_sequence_parallel
 from videodit.parallel.tensor import apply_tensor_parallel
 
-# Model inputs: (x_t, t, y, y_mask, fps, drop_caption, height, width[, x_mask]).
-X_MASK = 8
 
 
 @dataclass
@@ -87,7 +86,9 @@ class ParallelModel:
         scaled loss this rank saw (0 on pipeline ranks without the last stage)."""
         if self.pipeline is not None:
             with self.autocast():
-                return self.pipeline.step(inputs, pack_target(inputs[0], target, inputs[1]), scale)
+                x_mask = inputs[X_MASK] if len(inputs) > X_MASK else None
+                packed = pack_target(inputs[0], target, inputs[1], x_mask, self.local_model.geometry.patch_size[0])
+                return self.pipeline.step(inputs, packed, scale)
         with gradient_sync(self.module, enabled=sync):
             loss = self.loss(inputs, target) * scale
             loss.backward()

@@ -4,7 +4,9 @@ The block stack is cut into contiguous stages (evenly by blocks, or balanced by 
 model of the blocks). The first stage also runs the input embedding, the last stage the
 output layer. Between stages travel five tensors: the token grid, the embedded caption,
 its mask, the adaLN input ``t_mod`` and ``cond``; gradients flow back through all but the
-mask, so the embedders on stage 0 learn from every block.
+mask, so the embedders on stage 0 learn from every block. With frame conditioning
+(``diffusion.mask_ratios``) a sixth travels, the frame mask ``x_mask``: ``t_mod`` and ``cond``
+are then per frame, and the last stage's output layer and loss need the mask too.
 
 A :class:`DiTStage` is an STDiT restricted to some of its parts. Its submodules keep
 their names in the whole model, so the stages' state dicts, optimizer states and DCP
@@ -30,6 +32,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from videodit.errors import UserError
 from videodit.models.stdit import DiTGeometry, STDiT, unpatchify
+
+X_MASK = 8   # model inputs: (x, t, y, y_mask, fps, drop_caption, height, width[, x_mask])
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -59,18 +63,23 @@ class DiTStage(STDiT):
         return [(self.temporal_blocks if i % 2 else self.spatial_blocks)[str(i // 2)] for i in self._order]
 
     def forward(self, *args):
-        """First stage: the model's inputs (x, t, y, y_mask, fps, drop_caption, height, width). Other stages:
-        the previous stage's outputs. Returns the five inter-stage tensors, or on the last
+        """First stage: the model's inputs (x, t, y, y_mask, fps, drop_caption, height, width[, x_mask]).
+        Other stages: the previous stage's outputs. Returns the inter-stage tensors, or on the last
         stage the output patches [B, T', S, patch values] (``unpatchify`` makes latents)."""
-        tokens, y, y_mask, t_mod, cond = self.embed(*args) if self.first else args
+        if self.first:
+            x_mask = args[X_MASK] if len(args) > X_MASK else None
+            tokens, y, y_mask, t_mod, cond = self.embed(*args)
+        else:
+            tokens, y, y_mask, t_mod, cond, *rest = args
+            x_mask = rest[0] if rest else None
         rope = self.rope(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             tokens = block(tokens, y, y_mask, t_mod, rope)
         if self.last:
-            return self.final_layer(tokens, cond).float()
+            return self.final_layer(tokens, cond, x_mask).float()
         # Sent dense and in fp32 whatever the autocast, as ``stage_io`` declares them.
-        return tuple(x.float().contiguous() if x.is_floating_point() else x.contiguous()
-                     for x in (tokens, y, y_mask, t_mod, cond))
+        sent = (tokens, y, y_mask, t_mod, cond) + (() if x_mask is None else (x_mask,))
+        return tuple(x.float().contiguous() if x.is_floating_point() else x.contiguous() for x in sent)
 
 
 # ---------------------------------------------------------------------- splitting
@@ -173,7 +182,7 @@ class PipelineSchedule:
 
 def stage_io(stage: DiTStage, inputs: tuple[torch.Tensor, ...], microbatches: int) -> dict:
     """Meta tensors of one micro-batch's stage inputs and outputs, from the model inputs
-    (x, t, y, y_mask, fps, drop_caption, height, width) of the whole batch."""
+    (x, t, y, y_mask, fps, drop_caption, height, width[, x_mask]) of the whole batch."""
     x, _, y = inputs[:3]
     g = stage.geometry
     n = x.shape[0] // microbatches
@@ -185,7 +194,12 @@ def stage_io(stage: DiTStage, inputs: tuple[torch.Tensor, ...], microbatches: in
     def meta(*shape, dtype=torch.float32):   # float tensors carry gradients between stages
         return torch.empty(shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)
 
-    between = (meta(n, *grid, d), meta(n, length, d), meta(n, length, dtype=torch.bool), meta(n, 6, d), meta(n, d))
+    if len(inputs) > X_MASK:   # frame conditioning: adaLN per frame, the mask travels along
+        between = (meta(n, *grid, d), meta(n, length, d), meta(n, length, dtype=torch.bool),
+                   meta(n, grid[0], 6, d), meta(n, 2, d), meta(n, grid[0], dtype=torch.bool))
+    else:
+        between = (meta(n, *grid, d), meta(n, length, d), meta(n, length, dtype=torch.bool), meta(n, 6, d),
+                   meta(n, d))
     root = tuple(torch.empty(n, *t.shape[1:], dtype=t.dtype, device="meta") for t in inputs)
     output = meta(n, *grid, g.in_channels * pt * ph * pw) if stage.last else between
     return dict(input_args=root if stage.first else between, output_args=output)
@@ -210,16 +224,23 @@ def build_pipeline(model: STDiT, *, pp: int, pp_rank: int, schedule: str, stages
     return PipelineSchedule(stages, num_stages, schedule, microbatches, group, device, loss_fn), local
 
 
-def pack_target(x_t: torch.Tensor, velocity_target: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """One tensor the schedule can cut into micro-batches: [B, 3, C, T, H, W]."""
-    return torch.stack([x_t, velocity_target.to(x_t.dtype), t.to(x_t.dtype).view(-1, 1, 1, 1, 1).expand_as(x_t)], 1)
+def pack_target(x_t: torch.Tensor, velocity_target: torch.Tensor, t: torch.Tensor,
+                x_mask: torch.Tensor | None = None, frames_per_patch: int = 1) -> torch.Tensor:
+    """One tensor the schedule can cut into micro-batches: [B, 3, C, T, H, W] = (x_t, velocity
+    target, t broadcast), with frame conditioning [B, 4, ...]: the mask of the latent frames too."""
+    planes = [x_t, velocity_target.to(x_t.dtype), t.to(x_t.dtype).view(-1, 1, 1, 1, 1).expand_as(x_t)]
+    if x_mask is not None:
+        frames = x_mask.repeat_interleave(frames_per_patch, dim=1)[:, :x_t.shape[2]]
+        planes.append(frames.to(x_t.dtype)[:, None, :, None, None].expand_as(x_t))
+    return torch.stack(planes, 1)
 
 
 def pipeline_loss(geometry: DiTGeometry, loss_fn: Callable) -> Callable:
     """The last stage's loss: output patches -> latents, then ``loss_fn(output, x_t, t,
-    velocity_target)`` against the packed target ``[B, 3, C, T, H, W]`` = (x_t, velocity
-    target, t broadcast)."""
+    velocity_target[, x_mask])`` against the packed target (:func:`pack_target`)."""
     def stage_loss(patches: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        x_t, v_target, t = target.unbind(1)
-        return loss_fn(unpatchify(patches, x_t.shape, geometry), x_t, t.flatten(1)[:, 0], v_target)
+        x_t, v_target, t, *frames = target.unbind(1)
+        # The patched frames' mask back from the latent frames' plane: each patch's first frame.
+        x_mask = [frames[0][:, 0, ::geometry.patch_size[0], 0, 0] > 0.5] if frames else []
+        return loss_fn(unpatchify(patches, x_t.shape, geometry), x_t, t.flatten(1)[:, 0], v_target, *x_mask)
     return stage_loss

@@ -96,7 +96,7 @@ class Trainer:
         if self.encode_in_bf16:
             self.text.to(torch.bfloat16)
         self.flow = RectifiedFlow(cfg.diffusion)
-        self.conditioning = frame_conditioning(cfg, self.ctx.dims.pp)
+        self.conditioning = frame_conditioning(cfg)
         model = build_model(cfg, self.vae, self.text)
         lora_base = None
         if cfg.lora.rank:   # the frozen base, recorded by its absolute path (config.yaml) and fingerprint
@@ -467,11 +467,8 @@ def noise_seed(seed: int, epoch: int, global_batch: int) -> int:
     return int(np.random.SeedSequence((seed, epoch, global_batch)).generate_state(1)[0])
 
 
-def frame_conditioning(cfg: Config, pp: int) -> FrameConditioning | None:
+def frame_conditioning(cfg: Config) -> FrameConditioning | None:
     """Open-Sora's frame masks when ``diffusion.mask_ratios`` asks for them."""
     if cfg.diffusion.mask_ratios is None:
         return None
-    if pp > 1:   # the last stage would need the masks as well: not wired through the schedule yet
-        raise UserError(f"diffusion.mask_ratios with parallel.pp={pp} is not supported yet; train with "
-                        "parallel.pp=1 (FSDP, TP and SP work) or without mask_ratios")
     return FrameConditioning(cfg.diffusion.mask_ratios, cfg.model.patch_size[0])
