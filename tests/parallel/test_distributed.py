@@ -110,15 +110,18 @@ def shapes_seen(got: dict) -> set[str]:
     return {shape for step in got["keys"][0] for shape in step[1:]}
 
 
+def pipeline_schedules(runs: list[str]) -> dict[str, list[str]]:
+    """``runs`` under pp=2 with each schedule (interleaved: two stages per rank)."""
+    return {"pp_gpipe": runs + ["parallel.pp=2", "parallel.pp_schedule=gpipe"],
+            "pp_1f1b": runs + ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
+            "pp_interleaved": runs + ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+                                      "parallel.pp_microbatches=2"]}
+
+
 def test_tensor_and_pipeline_parallel_match_one_process(mixed_toy, tmp_path):
     runs = bucketed(mixed_toy)
     got = run_layouts(mixed_toy, tmp_path, 2, {
-        "tp": runs + ["parallel.tp=2"],
-        "pp_gpipe": runs + ["parallel.pp=2", "parallel.pp_schedule=gpipe"],
-        "pp_1f1b": runs + ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
-        "pp_interleaved": runs + ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
-                                  "parallel.pp_microbatches=2"],
-    })
+        "tp": runs + ["parallel.tp=2"], **pipeline_schedules(runs)})
     reference = single_process(runs, tmp_path / "ref")
     for name in got:
         assert_matches(got[name], reference)
@@ -130,11 +133,7 @@ def test_pipeline_trains_with_frame_masks_as_one_process(mixed_toy, tmp_path):
     # stages with the per-frame adaLN input, and the last stage's loss leaves given frames out.
     masks = "{'image_head': 0.3, 'quarter_tail': 0.3, 'random': 0.2}"
     runs = bucketed(mixed_toy, **{"diffusion.mask_ratios": masks})
-    got = run_layouts(mixed_toy, tmp_path, 2, {
-        "pp_1f1b": runs + ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
-        "pp_interleaved": runs + ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
-                                  "parallel.pp_microbatches=2"],
-    })
+    got = run_layouts(mixed_toy, tmp_path, 2, pipeline_schedules(runs))
     reference = single_process(runs, tmp_path / "ref")
     for name in got:
         assert_matches(got[name], reference)
