@@ -207,7 +207,7 @@ def print_throughput(rows: list[dict], repeats: int) -> None:
 def build(preset: str):
     from videodit.components import model_geometry
     from videodit.config import load_config, to_yaml
-    from videodit.models.stdit import STDiT
+    from videodit.models.stdit.model import STDiT
 
     cfg = load_config("tiny", [f"model.preset={preset}"])
     torch.manual_seed(0)

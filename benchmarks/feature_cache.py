@@ -39,7 +39,7 @@ from videodit.data.buckets.tables import ASPECT_RATIOS
 from videodit.data.dataset import VideoDataset
 from videodit.data.feature_cache import FeatureCache
 from videodit.data.metadata import read_metadata
-from videodit.models.temporal_vae import latent_frames
+from videodit.models.stdit.temporal_vae import latent_frames
 from videodit.toy.make import make_toy_dataset
 from videodit.toy.stand_ins import save_kl_vae, save_t5
 from videodit.train.trainer import Trainer

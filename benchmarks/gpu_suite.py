@@ -77,7 +77,8 @@ from videodit.config import load_config  # noqa: E402
 from videodit.components import model_geometry  # noqa: E402
 from videodit.diffusion.rectified_flow import RectifiedFlow  # noqa: E402
 from videodit.models.flops import train_step_flops  # noqa: E402
-from videodit.models.stdit import STDiT, count_parameters  # noqa: E402
+from videodit.models.spec import count_parameters  # noqa: E402
+from videodit.models.stdit.model import STDiT  # noqa: E402
 from videodit.parallel.compile import CompileOptions  # noqa: E402
 from videodit.parallel.distributed import init_distributed  # noqa: E402
 from videodit.parallel.parallelize import parallelize  # noqa: E402

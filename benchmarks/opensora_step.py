@@ -13,7 +13,7 @@ block pairs) so that a CPU step takes seconds. Open-Sora's STDiT3 is built by it
 seeded random weights (Open-Sora zero-initialises several projections); videodit's STDiT is built
 as the ``opensora-v1.2`` model preset builds it (``position_embedding=opensora``,
 ``null_caption_mask=prompt``, ``bf16_timesteps``, frozen null caption) and gets the same weights
-through ``videodit.models.opensora_stdit.from_opensora``, so both compute the same function with
+through ``videodit.models.stdit.opensora_stdit.from_opensora``, so both compute the same function with
 the same FLOPs. Before timing, the forward outputs are compared in eval mode (videodit predicts
 ``noise - x0``, Open-Sora ``x0 - noise`` in the first C of its 2C output channels).
 
@@ -62,7 +62,7 @@ from make_opensora_fixtures import import_opensora, randomize  # noqa: E402
 from videodit.components import build_model  # noqa: E402
 from videodit.config.schema import ModelConfig  # noqa: E402
 from videodit.models import count_parameters  # noqa: E402
-from videodit.models.opensora_stdit import from_opensora  # noqa: E402
+from videodit.models.stdit.opensora_stdit import from_opensora  # noqa: E402
 
 SEED = 2024
 LATENT_CHANNELS, CAPTION_CHANNELS, VAE_STRIDE = 4, 4096, 8

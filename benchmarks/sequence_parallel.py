@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from videodit.models.stdit import DiTGeometry, STDiT
+from videodit.models.stdit.model import DiTGeometry, STDiT
 from videodit.parallel import sequence
 from videodit.parallel.sequence import apply_sequence_parallel
 

@@ -108,7 +108,7 @@ def import_opensora(checkout: Path):
     _module("colossalai.cluster", ProcessGroupMesh=_ImportOnly)
     _module("colossalai.utils", get_current_device=lambda: torch.device("cpu"))
     # Bare packages: their __init__s import every model and text encoder (ftfy, diffusers, ...).
-    for package in ("opensora", "opensora.models", "opensora.models.stdit"):
+    for package in ("opensora", "opensora.models", "opensora.models.stdit.model"):
         _module(package).__path__ = [str(checkout / package.replace(".", "/"))]
     sys.path.insert(0, str(checkout))
     from opensora.models.stdit.stdit3 import STDiT3, STDiT3Config
@@ -216,7 +216,7 @@ def check(opensora, out: Path) -> None:
     from safetensors.torch import load_file
 
     from videodit.models import load_pretrained
-    from videodit.models.opensora_files import save_opensora
+    from videodit.models.stdit.opensora_files import save_opensora
     STDiT3, STDiT3Config, _ = opensora
 
     cases = load_file(str(out / "cases.safetensors"))

@@ -7,7 +7,7 @@ import torch
 
 from videodit.config import Config
 from videodit.errors import UserError
-from videodit.models.stdit import DiTGeometry, STDiT
+from videodit.models.families import get_spec
 from videodit.models.text import load_text_encoder
 from videodit.models.vae import build_vae
 from videodit.toy.encoder import TOY_MAX_LENGTH, ToyTextEncoder
@@ -38,22 +38,12 @@ def build_encoders(cfg: Config, device: torch.device):
     return vae.to(device), text.to(device)
 
 
-def model_geometry(cfg: Config, latent_channels: int, caption_channels: int) -> DiTGeometry:
-    m = cfg.model
-    return DiTGeometry(in_channels=latent_channels, caption_channels=caption_channels,
-                       caption_length=cfg.text.max_length, depth=m.depth, hidden_size=m.hidden_size,
-                       num_heads=m.num_heads, mlp_ratio=m.mlp_ratio, patch_size=tuple(m.patch_size),
-                       qk_norm=m.qk_norm, pos_base_grid=m.pos_base_grid,
-                       temporal_pos_embed=m.temporal_pos_embed, pooled_caption=m.pooled_caption,
-                       position_embedding=m.position_embedding, null_caption_mask=m.null_caption_mask,
-                       bf16_timesteps=m.bf16_timesteps)
+def model_geometry(cfg: Config, latent_channels: int, caption_channels: int):
+    """The model's arguments (its family's geometry) from the config and the encoders' sizes."""
+    return get_spec(cfg.model.family).geometry(cfg.model, latent_channels, caption_channels, cfg.text.max_length)
 
 
-def build_model(cfg: Config, vae, text) -> STDiT:
+def build_model(cfg: Config, vae, text) -> torch.nn.Module:
     """The model, with the parts ``model.freeze_*`` name excluded from training."""
-    model = STDiT(model_geometry(cfg, vae.latent_channels, text.dim))
-    if cfg.model.freeze_caption_embedder:
-        model.caption_embedder.requires_grad_(False)
-    if cfg.model.freeze_null_caption:
-        model.caption_embedder.null_caption.requires_grad_(False)
-    return model
+    spec = get_spec(cfg.model.family)
+    return spec.configure(spec.build(model_geometry(cfg, vae.latent_channels, text.dim)), cfg.model)

@@ -14,6 +14,8 @@ from videodit.data.prompts import prepare_prompts
 from videodit.data.video import write_video
 from videodit.diffusion.rectified_flow import RectifiedFlow
 from videodit.errors import UserError
+from videodit.models.families import spec_of
+from videodit.models.spec import Conditions
 
 
 @torch.no_grad()
@@ -44,23 +46,27 @@ def generate(model, vae, text, flow: RectifiedFlow, prompts: list[str], *, num_f
 
 def denoise(model, flow: RectifiedFlow, noise: torch.Tensor, y: torch.Tensor, y_mask: torch.Tensor, *, steps: int,
             guidance: float, ratio: float = 1.0, fps: torch.Tensor | None = None, height=None,
-            width=None, given: "GivenFrames | None" = None) -> torch.Tensor:
+            width=None, given: "GivenFrames | None" = None,
+            negative: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Latents from ``noise`` [N, C, T, H, W]: Euler steps with classifier-free guidance (the
-    unconditional half on the model's null caption). ``height``/``width``: the clip's pixel size,
-    which Open-Sora's position table needs. ``given``: conditioning frames, kept as given at
-    every step and marked for the model by ``x_mask``."""
+    unconditional branch is the family's: STDiT's learned null caption, or ``negative``, the
+    encoded negative prompt). ``height``/``width``: the clip's pixel size, which Open-Sora's
+    position table needs. ``given``: conditioning frames, kept as given at every step and marked
+    for the model by ``x_mask``."""
+    spec = spec_of(model)
     n = noise.shape[0]
     keep = torch.zeros(n, dtype=torch.bool, device=noise.device)
-    drop = torch.ones(n, dtype=torch.bool, device=noise.device)
     x_mask = None if given is None else given.x_mask.expand(n, -1)
+    cond = Conditions(y, y_mask, keep, fps, height, width, x_mask)
+    uncond = spec.unconditional(cond, negative)
 
-    def velocity(dropped):
+    def velocity(conditions):
         def v(x, t):
-            out = model(x, t, y, y_mask, fps, dropped, height=height, width=width, x_mask=x_mask)
+            out = model(*spec.model_inputs(x, t, conditions))
             return flow.model_velocity(out.float(), x, t)
         return v
 
-    return flow.sample(velocity(keep), noise, steps, ratio, guidance, velocity(drop),
+    return flow.sample(velocity(cond), noise, steps, ratio, guidance, velocity(uncond),
                        given=None if given is None else given.put_back)
 
 
@@ -80,7 +86,7 @@ def given_latents(model, vae, reference: torch.Tensor, latent_frames: int, devic
     """Encode ``reference`` [3, T_ref, H, W] and place it at the start of a clip of
     ``latent_frames``; only whole patched frames count as given (the rest is generated)."""
     encoded = vae.encode(reference[None].to(device)).float()          # [1, C, T_given, h, w]
-    per_patch = model.geometry.patch_size[0]
+    per_patch = spec_of(model).patch_size(model.geometry)[0]
     patched = -(-latent_frames // per_patch)
     given = encoded.shape[2] // per_patch
     if given == 0 or given >= patched:

@@ -506,7 +506,7 @@ def test_export_and_sample_from_the_export(tmp_path):
     from videodit.components import build_encoders, build_model
     from videodit.config import from_dict
     from videodit.models import load_pretrained
-    from videodit.models.stdit import geometry_config
+    from videodit.models.stdit.model import geometry_config
     from videodit.sample import Pipeline
 
     config_yaml = tiny_config_yaml()

@@ -24,9 +24,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from videodit.config import MODEL_PRESETS, MemoryConfig
-from videodit.models.flops import block_costs, forward_flops, patch_grid, step_costs, train_step_flops
+from videodit.models.flops import block_costs, forward_flops, step_costs, train_step_flops
+from videodit.models.stdit.flops import patch_grid
 from videodit.models.layers import AttentionBackend
-from videodit.models.stdit import DiTGeometry, STDiT
+from videodit.models.stdit.model import DiTGeometry, STDiT
 from videodit.parallel.activation_checkpoint import apply_activation_checkpointing
 
 TOLERANCE = 0.03

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from videodit.models.stdit import DiTGeometry, STDiT, count_parameters
+from videodit.models.spec import count_parameters
+from videodit.models.stdit.model import DiTGeometry, STDiT
 from videodit.models.layers import AttentionBackend
 
 
@@ -98,7 +99,7 @@ def test_xl_preset_has_open_soras_1_21b_parameters():
     # its state dict as videodit exports it, less the null caption (a buffer there), counts the same.
     # videodit's own count differs by the null caption (a parameter here, 300 x 4096), the unused
     # pred_sigma outputs and the RoPE frequencies (a parameter there).
-    from videodit.models.opensora_stdit import to_opensora
+    from videodit.models.stdit.opensora_stdit import to_opensora
 
     g = DiTGeometry(in_channels=4, caption_channels=4096, caption_length=300, depth=28, hidden_size=1152,
                     num_heads=16, patch_size=(1, 2, 2), position_embedding="opensora", null_caption_mask="prompt")

@@ -16,7 +16,7 @@ from videodit.config import DiffusionConfig
 from videodit.diffusion.rectified_flow import RectifiedFlow
 from videodit.errors import UserError
 from videodit.models import load_pretrained
-from videodit.models.opensora_stdit import geometry_from_opensora
+from videodit.models.stdit.opensora_stdit import geometry_from_opensora
 from videodit.sample import denoise
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "opensora" / "stdit3"
@@ -65,7 +65,7 @@ def test_null_caption_attends_under_the_prompt_mask(model, cases):
 def test_temporal_rope_needs_the_pair_permutation(cases):
     # Open-Sora rotates interleaved pairs, videodit half-split ones: undo the converter's permutation of
     # the temporal q/k rows and the outputs move far off.
-    from videodit.models.opensora_stdit import rope_half_split
+    from videodit.models.stdit.opensora_stdit import rope_half_split
 
     unpermuted = load_pretrained(FIXTURE).eval()
     head_dim = unpermuted.geometry.hidden_size // unpermuted.geometry.num_heads
@@ -92,15 +92,15 @@ def test_cfg_sampling_loop_matches_rflow_sample(model, cases):
 
 
 def test_import_export_round_trip(tmp_path):
-    from videodit.checkpoint import export_opensora, import_opensora
+    from videodit.checkpoint import export_released, import_released
 
-    imported = import_opensora(FIXTURE, tmp_path / "imported", "name: imported\n")
+    imported = import_released(FIXTURE, tmp_path / "imported", "name: imported\n")
     ours = load_pretrained(imported).state_dict()
     direct = load_pretrained(FIXTURE).state_dict()
     assert ours.keys() == direct.keys() and all(torch.equal(ours[k], direct[k]) for k in ours)
     assert json.loads((imported / "export.json").read_text())["format"] == "opensora-stdit3"
 
-    exported = export_opensora(imported, tmp_path / "exported")
+    exported = export_released(imported, tmp_path / "exported", "opensora")
     original, again = load_file(str(FIXTURE / "model.safetensors")), load_file(str(exported / "model.safetensors"))
     assert again.keys() == original.keys()
     for name, tensor in original.items():
@@ -191,14 +191,14 @@ def test_loading_never_unpickles_objects(tmp_path):
 
 
 def test_export_refuses_a_model_opensora_cannot_compute(tmp_path):
-    from videodit.checkpoint import export_opensora
-    from videodit.models import DiTGeometry, STDiT
+    from videodit.checkpoint import export_released
+    from videodit.models.stdit.model import DiTGeometry, STDiT
 
     geometry = DiTGeometry(in_channels=4, caption_channels=16, caption_length=12, depth=1, hidden_size=32,
                            num_heads=2)   # videodit's own positions and null caption
     STDiT(geometry).save_pretrained(tmp_path / "native")
     with pytest.raises(UserError, match="position_embedding=videodit null_caption_mask=full"):
-        export_opensora(tmp_path / "native", tmp_path / "out")
+        export_released(tmp_path / "native", tmp_path / "out", "opensora")
     assert not (tmp_path / "out").exists()
 
 
@@ -209,11 +209,11 @@ def test_cli_import_and_export(tmp_path, capsys):
     assert main(["ckpt", "export", str(tmp_path / "imported"), str(tmp_path / "os"), "--format", "opensora"]) == 0
     assert "STDiT3.from_pretrained" in capsys.readouterr().out
     assert main(["ckpt", "import", str(tmp_path / "imported"), str(tmp_path / "again")]) == 2
-    assert "not an Open-Sora STDiT3 layout" in capsys.readouterr().err
+    assert "holds no released weights videodit reads (Open-Sora STDiT3" in capsys.readouterr().err
 
 
 def test_init_from_takes_opensora_weights(tmp_path):
-    from videodit.models import STDiT
+    from videodit.models.stdit.model import STDiT
     from videodit.train.state import init_weights_from
 
     model = STDiT(load_pretrained(FIXTURE).geometry)

@@ -1,4 +1,4 @@
-"""Open-Sora 1.2's VAE (videodit.models.opensora_vae) against Open-Sora's own outputs.
+"""Open-Sora 1.2's VAE (videodit.models.stdit.opensora_vae) against Open-Sora's own outputs.
 
 The fixture (tests/fixtures/opensora/vae, written by scripts/make_opensora_vae_fixtures.py with
 Open-Sora v1.2.0's code) is a tiny random VideoAutoencoderPipeline in the released layout,
@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from videodit.errors import UserError
-from videodit.models.opensora_vae import SDXL_VAE_CONFIG, OpenSoraVAE
-from videodit.models.temporal_vae import latent_frames
+from videodit.models.stdit.opensora_vae import SDXL_VAE_CONFIG, OpenSoraVAE
+from videodit.models.stdit.temporal_vae import latent_frames
 from videodit.models.vae import build_vae
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "opensora" / "vae"

@@ -19,7 +19,7 @@ from conftest import tiny_overrides
 from test_distributed import run_layouts, single_process
 from videodit.config import MemoryConfig, ParallelConfig, load_config
 from videodit.errors import UserError
-from videodit.models.stdit import DiTGeometry, STDiT
+from videodit.models.stdit.model import DiTGeometry, STDiT
 from videodit.parallel.compile import CompileOptions
 from videodit.parallel.dims import ParallelDims
 from videodit.parallel.distributed import DistContext

@@ -17,7 +17,7 @@ from videodit.cli import main
 from videodit.components import model_geometry
 from videodit.config import load_config
 from videodit.models.lora import is_adapter_name
-from videodit.models.stdit import STDiT
+from videodit.models.stdit.model import STDiT
 from videodit.train.trainer import Trainer
 
 TOLERANCE = 1e-6

@@ -11,7 +11,7 @@ from conftest import tiny_overrides
 from videodit.config import MemoryConfig, load_config
 from videodit.parallel import saved_tensors as saved
 from videodit.parallel.saved_tensors import saved_tensor_stats, wrap_saved_tensors
-from videodit.models.stdit import STBlock
+from videodit.models.stdit.model import STBlock
 from videodit.models.layers import RotaryEmbedding
 from videodit.train.trainer import Trainer
 

@@ -13,7 +13,7 @@ from conftest import tiny_overrides
 from videodit.cli import main
 from videodit.components import model_geometry
 from videodit.config import load_config
-from videodit.models.stdit import STDiT
+from videodit.models.stdit.model import STDiT
 from videodit.planner.measure import measure_trainer, synthetic_batch
 from videodit.planner.plan import planner_from_config
 from videodit.train.trainer import Trainer

@@ -15,7 +15,7 @@ import yaml
 from conftest import tiny_overrides, torchrun
 from videodit.cli import main
 from videodit.config import load_config
-from videodit.models.temporal_vae import latent_frames
+from videodit.models.stdit.temporal_vae import latent_frames
 from videodit.planner.estimate import Parallel, Precision, block_activation_bytes
 from videodit.planner.measure import LiveMemory, measure_trainer, synthetic_batch
 from videodit.planner.plan import LatentGeometry, planner_from_config
@@ -91,7 +91,7 @@ def test_live_memory_sees_only_new_storages():
 
 
 def test_checkpointing_levers_order_the_activation_bytes():
-    from videodit.models.stdit import DiTGeometry
+    from videodit.models.stdit.model import DiTGeometry
     g = DiTGeometry(in_channels=4, caption_channels=64, caption_length=8, depth=2, hidden_size=128, num_heads=4)
     args = (g, 4096, 4, 8, Parallel(), Precision())
     plain, selective, full = (block_activation_bytes(*args, mode=m) for m in ("none", "selective", "full"))
@@ -106,7 +106,7 @@ def test_pipeline_checkpointing_counts_blocks_per_rank_as_parallelize_does(every
     # parallelize() checkpoints each rank's stage module, so checkpoint_every/_fraction pick
     # among that rank's blocks; the planner's first stage must hold what that rank really keeps.
     from videodit.config import MemoryConfig
-    from videodit.models.stdit import DiTGeometry, STDiT
+    from videodit.models.stdit.model import DiTGeometry, STDiT
     from videodit.parallel.activation_checkpoint import apply_activation_checkpointing
     from videodit.planner.estimate import Shape, activation_bytes
 

@@ -15,7 +15,7 @@ from videodit.components import model_geometry
 from videodit.config import load_config
 from videodit.models import load_pretrained
 from videodit.models.lora import is_adapter_name
-from videodit.models.stdit import STDiT
+from videodit.models.stdit.model import STDiT
 from videodit.sample import Pipeline
 from videodit.train.trainer import Trainer
 

@@ -9,10 +9,10 @@ Modules, each importing only the ones above it:
     loaded.py   LoadedCheckpoint: reading a checkpoint or an export folder, every file checked
     manager.py  CheckpointManager: when to save, retention, event log, async saves
     tools.py    ckpt list / inspect / export
-    convert.py  ckpt import / export --format opensora (Open-Sora STDiT3 weights)
+    convert.py  ckpt import / export --format FORMAT (a family's released weights)
 """
 
-from videodit.checkpoint.convert import export_opensora, import_opensora
+from videodit.checkpoint.convert import export_released, import_released
 from videodit.checkpoint.io import (checkpoint_name, damaged_files, list_checkpoints, resolve_checkpoint,
                                     save_checkpoint, verify_checkpoint, write_checkpoint)
 from videodit.checkpoint.loaded import LoadedCheckpoint
@@ -20,6 +20,6 @@ from videodit.checkpoint.manager import CheckpointManager
 from videodit.checkpoint.tools import export, format_inspect, format_list, inspect, list_run
 from videodit.checkpoint.writer import write_safetensors
 
-__all__ = ["CheckpointManager", "LoadedCheckpoint", "checkpoint_name", "damaged_files", "export", "export_opensora",
-           "format_inspect", "format_list", "import_opensora", "inspect", "list_checkpoints", "list_run",
+__all__ = ["CheckpointManager", "LoadedCheckpoint", "checkpoint_name", "damaged_files", "export", "export_released",
+           "format_inspect", "format_list", "import_released", "inspect", "list_checkpoints", "list_run",
            "resolve_checkpoint", "save_checkpoint", "verify_checkpoint", "write_checkpoint", "write_safetensors"]

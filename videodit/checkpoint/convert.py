@@ -1,11 +1,11 @@
-"""``videodit ckpt import`` and ``videodit ckpt export --format opensora``: Open-Sora STDiT3
-weights in and out of videodit, written atomically as model folders.
+"""``videodit ckpt import`` and ``videodit ckpt export --format FORMAT``: a family's released
+weights (Open-Sora STDiT3, Wan) in and out of videodit, written atomically as model folders.
 
-    import_opensora(src, out_dir, run_config, use_ema=False, dtype="fp32") -> Path
-    export_opensora(ckpt, out_dir, use_ema=False, dtype="fp32") -> Path
+    import_released(src, out_dir, run_config, use_ema=False, dtype="fp32") -> Path
+    export_released(ckpt, out_dir, fmt, use_ema=False, dtype="fp32") -> Path
 
-The conversion itself is ``videodit.models.opensora_stdit``; reading Open-Sora's layouts is
-``videodit.models.opensora_files``. Nothing read is unpickled beyond tensors.
+The conversions are the family's (``ModelSpec.read_released`` / ``export_released``). Nothing
+read is unpickled beyond tensors.
 """
 
 from __future__ import annotations
@@ -19,48 +19,56 @@ from videodit.checkpoint.io import EXPORT_RECORD, EXPORT_RUN_CONFIG, is_export_d
 from videodit.checkpoint.loaded import LoadedCheckpoint
 from videodit.checkpoint.tools import (check_new_folder, checkpoint_weights, export_dtype, run_geometry,
                                       write_model_folder)
-from videodit.models.opensora_files import opensora_state
-from videodit.models.opensora_stdit import opensora_config, to_opensora
-from videodit.models.stdit import MODEL_TYPE, DiTGeometry, geometry_config, geometry_from_config
+from videodit.errors import UserError
+from videodit.models.families import families, released_spec, spec_for_model_type, spec_of
 
-def import_opensora(src: str | Path, out_dir: str | Path, run_config: str, use_ema: bool = False,
+def import_released(src: str | Path, out_dir: str | Path, run_config: str, use_ema: bool = False,
                     dtype: str = "fp32") -> Path:
-    """A videodit model folder from an Open-Sora STDiT3 folder or training checkpoint (``use_ema``:
-    its ``ema.pt``), laid out as ``videodit ckpt export`` writes one: ``config.json`` (the model),
-    ``model.safetensors``, ``run_config.yaml`` (``run_config``: the encoders and sampling defaults
-    that ``videodit sample --ckpt`` uses) and ``export.json`` (where the weights came from).
-    ``videodit.models.load_pretrained`` and ``model.init_from`` read the result too."""
+    """A videodit model folder from a family's released weights (an Open-Sora STDiT3 folder or
+    training checkpoint, ``use_ema``: its ``ema.pt``; a Wan folder), laid out as ``videodit ckpt
+    export`` writes one: ``config.json`` (the model), ``model.safetensors``, ``run_config.yaml``
+    (``run_config``: the encoders and sampling defaults that ``videodit sample --ckpt`` uses) and
+    ``export.json`` (where the weights came from). ``videodit.models.load_pretrained`` and
+    ``model.init_from`` read the result too."""
     target = export_dtype(dtype)
+    spec = released_spec(src)
+    if spec is None:
+        raise UserError(f"{src} holds no released weights videodit reads "
+                        f"({', '.join(s.released_name for s in families().values())})")
     check_new_folder(out_dir)
-    geometry, tensors = opensora_state(src, ema=use_ema)
-    files = {"config.json": json.dumps(geometry_config(geometry), indent=1) + "\n",
+    geometry, tensors = spec.read_released(Path(src), ema=use_ema)
+    files = {"config.json": json.dumps(spec.geometry_config(geometry), indent=1) + "\n",
              EXPORT_RUN_CONFIG: run_config,
-             EXPORT_RECORD: json.dumps({"step": 0, "source": str(Path(src).resolve()), "format": "opensora-stdit3",
+             EXPORT_RECORD: json.dumps({"step": 0, "source": str(Path(src).resolve()), "format": spec.released_format,
                                         "weights": "ema" if use_ema else "model", "dtype": dtype}, indent=1) + "\n"}
     return write_model_folder(out_dir, _cast(tensors, target), files, verb="import")
 
 
-def export_opensora(ckpt: str | Path, out_dir: str | Path, use_ema: bool = False, dtype: str = "fp32") -> Path:
-    """An Open-Sora STDiT3 folder (``config.json`` + ``model.safetensors``, as ``STDiT3.save_pretrained``
-    writes them) from a videodit checkpoint, export or model folder. Only models whose function
-    STDiT3 computes convert (``position_embedding=opensora``, ``null_caption_mask=prompt``, ...)."""
+def export_released(ckpt: str | Path, out_dir: str | Path, fmt: str, use_ema: bool = False,
+                    dtype: str = "fp32") -> Path:
+    """A folder in released format ``fmt`` (``opensora``: what Open-Sora's ``STDiT3.from_pretrained``
+    loads; Wan's ``wan`` and ``diffusers``) from a videodit checkpoint, export or model folder."""
     target = export_dtype(dtype)
     check_new_folder(out_dir)
     geometry, tensors = _videodit_weights(Path(ckpt), use_ema)
-    state = to_opensora(tensors, geometry)
-    files = {"config.json": json.dumps(opensora_config(geometry), indent=2) + "\n"}
-    return write_model_folder(out_dir, _cast(state, target), files)
+    spec = spec_of(geometry)
+    if fmt not in spec.export_formats:
+        raise UserError(f"--format {fmt} does not apply to a {spec.family} model; it exports as: "
+                        f"{', '.join(('videodit',) + spec.export_formats)}")
+    state, files, weights_name = spec.export_released(fmt, geometry, tensors)
+    return write_model_folder(out_dir, _cast(state, target), files, weights_name=weights_name)
 
 
-def _videodit_weights(path: Path, use_ema: bool) -> tuple[DiTGeometry, dict[str, torch.Tensor]]:
+def _videodit_weights(path: Path, use_ema: bool):
     """Geometry and tensors of a model folder (its config.json) or a checkpoint (its run config)."""
     if is_export_dir(path):
         try:
             config = json.loads((path / "config.json").read_text())
         except (ValueError, UnicodeDecodeError):
             config = None   # LoadedCheckpoint names the problem
-        if isinstance(config, dict) and config.get("model_type") == MODEL_TYPE:
-            return geometry_from_config(config), LoadedCheckpoint(path).tensors("model")
+        spec = spec_for_model_type(config.get("model_type")) if isinstance(config, dict) else None
+        if spec is not None:
+            return spec.geometry_from_config(config), LoadedCheckpoint(path).tensors("model")
     loaded = LoadedCheckpoint(path)
     tensors, _ = checkpoint_weights(loaded, use_ema)
     return run_geometry(loaded.config_yaml(), tensors), tensors

@@ -10,8 +10,8 @@ of silently getting adapters trained on other weights.
     init_weights(source) -> (weights, taken)   what model.init_from takes from any source
     base_record(source) -> dict                what a LoRA run records about its base
     lora_config(loaded) -> LoraConfig | None   a LoRA checkpoint's settings (None: not one)
-    adapted_model(loaded, stem, merge) -> STDiT   the base with the checkpoint's adapters
-    lora_model(cfg, base, adapters, merge) -> STDiT   the same from a config and tensors
+    adapted_model(loaded, stem, merge) -> model   the base with the checkpoint's adapters
+    lora_model(cfg, base, adapters, merge) -> model   the same from a config and tensors
     run_base(cfg) -> dict                      a starting LoRA run's base record
 """
 
@@ -22,14 +22,17 @@ from pathlib import Path
 
 import torch
 import yaml
+from torch import nn
 
 from videodit.checkpoint.loaded import LoadedCheckpoint
 from videodit.components import model_geometry
 from videodit.config import Config, LoraConfig, from_yaml
 from videodit.errors import UserError
 from videodit.models.lora import add_adapters, is_adapter_name, merge_adapters
-from videodit.models.opensora_files import WEIGHT_SUFFIXES, opensora_layout, opensora_state
-from videodit.models.stdit import STDiT
+from videodit.models.families import get_spec, released_spec
+
+# Files that hold weights in a released folder (fingerprinted by base_record).
+WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 
 
 def init_weights(source: str | Path) -> tuple[dict[str, torch.Tensor], str]:
@@ -37,8 +40,9 @@ def init_weights(source: str | Path) -> tuple[dict[str, torch.Tensor], str]:
     weights converted; a LoRA checkpoint's adapters (their EMA if any) merged into its base; a
     checkpoint's EMA weights if it has them (its model weights for the buffers), else its model
     weights; an export's weights."""
-    if opensora_layout(source):
-        return opensora_state(source)[1], f"Open-Sora weights of {source}"
+    spec = released_spec(source)
+    if spec is not None:
+        return spec.read_released(Path(source))[1], f"{spec.released_short} weights of {source}"
     ckpt = LoadedCheckpoint(source)
     stem = "ema" if ckpt.has("ema") else "model"
     if lora_config(ckpt) is not None:
@@ -55,7 +59,7 @@ def base_record(source: str | Path) -> dict:
     to its newest checkpoint, whose path is recorded. A checkpoint's weight files are named by
     the SHA-256 of its manifest; files without one (exports, Open-Sora folders) by their size and
     a SHA-256 of their first and last 4 MiB (cheap on many-GB files)."""
-    if opensora_layout(source):
+    if released_spec(source) is not None:
         path = Path(source).resolve()
         files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.suffix in WEIGHT_SUFFIXES)
         return {"path": str(path), "fingerprint": {(f.name if f == path else str(f.relative_to(path))): _sampled(f)
@@ -107,7 +111,7 @@ def _config(loaded: LoadedCheckpoint) -> Config:
     return from_yaml(loaded.config_yaml(), f"the config of {loaded.path}")
 
 
-def adapted_model(loaded: LoadedCheckpoint, stem: str = "model", merge: bool = False) -> STDiT:
+def adapted_model(loaded: LoadedCheckpoint, stem: str = "model", merge: bool = False) -> nn.Module:
     """The base weights a LoRA checkpoint's run started from, in fp32 on the CPU, with the
     checkpoint's adapters (``stem``: ``model`` or ``ema``) applied by peft, or merged into the
     weights (``merge``: a plain model with the base's parameter names)."""
@@ -120,14 +124,15 @@ def adapted_model(loaded: LoadedCheckpoint, stem: str = "model", merge: bool = F
 
 
 def lora_model(cfg: Config, base: str | Path, adapters: dict[str, torch.Tensor], merge: bool = False,
-               what: str = "the run") -> STDiT:
+               what: str = "the run") -> nn.Module:
     """``cfg``'s model with the weights of ``base`` and ``cfg.lora``'s adapters set to ``adapters``
     (fp32, CPU); ``merge``: folded into the weights."""
     weights, _ = init_weights(base)
     try:
-        geometry = model_geometry(cfg, latent_channels=weights["patch_embed.weight"].shape[1],
-                                  caption_channels=weights["caption_embedder.null_caption"].shape[1])
-        model = STDiT(geometry)
+        spec = get_spec(cfg.model.family)
+        geometry = model_geometry(cfg, latent_channels=spec.latent_channels(weights),
+                                  caption_channels=spec.caption_channels(weights))
+        model = spec.build(geometry)
         model.load_state_dict({name: t.float() if t.is_floating_point() else t for name, t in weights.items()})
     except (KeyError, RuntimeError) as exc:
         raise UserError(f"the LoRA base {base} does not fit the model of {what} "
@@ -146,7 +151,7 @@ def run_base(cfg: Config) -> dict:
     """A LoRA run's base, recorded (:func:`base_record`) from ``model.init_from``, which it needs."""
     if not cfg.model.init_from:
         raise UserError(f"lora.rank={cfg.lora.rank} trains adapters on frozen base weights: set model.init_from to "
-                        "them (a checkpoint, a run folder, an export or Open-Sora STDiT3 weights)")
+                        "them (a checkpoint, a run folder, an export or released weights: Open-Sora STDiT3, Wan)")
     return base_record(cfg.model.init_from)
 
 

@@ -29,7 +29,7 @@ from videodit.checkpoint.writer import fsync_path, write_safetensors
 from videodit.components import model_geometry
 from videodit.config import from_yaml
 from videodit.errors import UserError
-from videodit.models.stdit import DiTGeometry, geometry_config
+from videodit.models.families import get_spec, spec_of
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -271,7 +271,8 @@ def export(ckpt: str | Path, out_dir: str | Path, use_ema: bool = False, dtype: 
     tensors, weights = checkpoint_weights(loaded, use_ema, merge_lora)
     tensors = {k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()}
     run_config = merged_run_config(loaded.config_yaml()) if merge_lora else loaded.config_yaml()
-    files = {"config.json": json.dumps(geometry_config(run_geometry(run_config, tensors)), indent=1) + "\n",
+    geometry = run_geometry(run_config, tensors)
+    files = {"config.json": json.dumps(spec_of(geometry).geometry_config(geometry), indent=1) + "\n",
              EXPORT_RUN_CONFIG: run_config,
              EXPORT_RECORD: json.dumps({"step": loaded.step, "weights": weights, "dtype": dtype,
                                         "source": str(loaded.path),
@@ -313,8 +314,8 @@ def checkpoint_weights(loaded: LoadedCheckpoint, use_ema: bool,
 
 
 def write_model_folder(out_dir: str | Path, tensors: dict[str, torch.Tensor], files: dict[str, str],
-                       verb: str = "export") -> Path:
-    """``tensors`` as ``model.safetensors`` and the text ``files`` in the new folder ``out_dir``,
+                       verb: str = "export", weights_name: str = "model.safetensors") -> Path:
+    """``tensors`` as ``weights_name`` and the text ``files`` in the new folder ``out_dir``,
     atomically: written into a staging folder, fsynced and renamed; nothing is left on failure."""
     out_dir = Path(out_dir)
     check_new_folder(out_dir)
@@ -324,7 +325,7 @@ def write_model_folder(out_dir: str | Path, tensors: dict[str, torch.Tensor], fi
         parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
-        write_safetensors(staging / "model.safetensors", tensors, {"format": "pt"})
+        write_safetensors(staging / weights_name, tensors, {"format": "pt"})
         for name, text in files.items():
             with open(staging / name, "w") as handle:
                 handle.write(text)
@@ -347,9 +348,10 @@ def write_model_folder(out_dir: str | Path, tensors: dict[str, torch.Tensor], fi
     return out_dir
 
 
-def run_geometry(run_config: str, tensors: dict[str, torch.Tensor]) -> DiTGeometry:
+def run_geometry(run_config: str, tensors: dict[str, torch.Tensor]):
     """The model's arguments: sizes from the run's config, the encoders' widths from the
     weights (so no encoder has to be loaded to export)."""
     cfg = from_yaml(run_config, "the checkpoint's config.yaml")
-    return model_geometry(cfg, latent_channels=tensors["patch_embed.weight"].shape[1],
-                          caption_channels=tensors["caption_embedder.null_caption"].shape[1])
+    spec = get_spec(cfg.model.family)
+    return model_geometry(cfg, latent_channels=spec.latent_channels(tensors),
+                          caption_channels=spec.caption_channels(tensors))

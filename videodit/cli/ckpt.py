@@ -27,15 +27,20 @@ def cmd_ckpt_inspect(ns) -> int:
     return 0
 
 
-def cmd_ckpt_export(ns) -> int:
-    from videodit.checkpoint import export, export_opensora
+# ``ckpt export --format`` values besides videodit's own, and what loads each.
+EXPORT_LOADERS = {"opensora": "Open-Sora's STDiT3.from_pretrained", "wan": "Wan's WanModel.from_pretrained",
+                  "diffusers": "diffusers' WanTransformer3DModel.from_pretrained"}
 
-    if ns.format == "opensora":
+
+def cmd_ckpt_export(ns) -> int:
+    from videodit.checkpoint import export, export_released
+
+    if ns.format != "videodit":
         if ns.merge_lora:
             raise UserError("--merge-lora writes a videodit model folder: export it without --format, then export "
-                            "that folder with --format opensora")
-        out = export_opensora(ns.ckpt, ns.out, use_ema=ns.ema, dtype=ns.dtype)
-        print(f"exported to {out} (Open-Sora's STDiT3.from_pretrained loads it)")
+                            f"that folder with --format {ns.format}")
+        out = export_released(ns.ckpt, ns.out, ns.format, use_ema=ns.ema, dtype=ns.dtype)
+        print(f"exported to {out} ({EXPORT_LOADERS[ns.format]} loads it)")
     else:
         out = export(ns.ckpt, ns.out, use_ema=ns.ema, dtype=ns.dtype, merge_lora=ns.merge_lora)
         print(f"exported to {out} (videodit sample --ckpt {out} loads it)")
@@ -43,12 +48,12 @@ def cmd_ckpt_export(ns) -> int:
 
 
 def cmd_ckpt_import(ns) -> int:
-    from videodit.checkpoint import import_opensora
+    from videodit.checkpoint import import_released
 
     from videodit.config import load_config, to_yaml
 
     run_config = to_yaml(load_config(ns.config, ns.overrides))   # checked before anything is written
-    out = import_opensora(ns.src, ns.out, run_config, use_ema=ns.ema, dtype=ns.dtype)
+    out = import_released(ns.src, ns.out, run_config, use_ema=ns.ema, dtype=ns.dtype)
     print(f"imported to {out} (videodit sample --ckpt {out} samples with {ns.config}'s encoders; "
           f"model.init_from={out} fine-tunes it)")
     return 0
@@ -59,17 +64,20 @@ def cmd_model_info(ns) -> int:
 
     from videodit.components import model_geometry
     from videodit.config import MODEL_PRESETS, ModelConfig, load_config
-    from videodit.models.stdit import STDiT, count_parameters
+    from videodit.models.families import get_spec
+    from videodit.models.spec import count_parameters
 
     cfg = load_config(ns.config, [])
-    cfg.text.max_length = ns.caption_length
-    print(f"{'preset':<14}{'depth':>6}{'hidden':>8}{'heads':>7}  {'patch':<10}{'parameters':>15}")
+    print(f"{'preset':<17}{'family':<7}{'depth':>6}{'hidden':>8}{'heads':>7}  {'patch':<10}{'parameters':>15}")
     for name, preset in MODEL_PRESETS.items():
         cfg.model = ModelConfig(preset=name).resolved()
-        geometry = model_geometry(cfg, ns.latent_channels, ns.caption_channels)
+        spec = get_spec(cfg.model.family)
+        latent, caption, length = spec.released_encoders   # what the family's released models are built for
+        cfg.text.max_length = ns.caption_length or length
+        geometry = model_geometry(cfg, ns.latent_channels or latent, ns.caption_channels or caption)
         with torch.device("meta"):   # count without allocating weights
-            count = count_parameters(STDiT(geometry))
-        print(f"{name:<14}{preset['depth']:>6}{preset['hidden_size']:>8}{preset['num_heads']:>7}  "
+            count = count_parameters(spec.build(geometry))
+        print(f"{name:<17}{cfg.model.family:<7}{preset['depth']:>6}{preset['hidden_size']:>8}{preset['num_heads']:>7}  "
               f"{str(tuple(preset['patch_size'])):<10}{count:>15,}")
     return 0
 
@@ -92,11 +100,13 @@ def register(sub) -> None:
     q.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     q.add_argument("--merge-lora", action="store_true", help="a LoRA run's checkpoint: write its base with the "
                    "adapters merged in (a whole model)")
-    q.add_argument("--format", default="videodit", choices=("videodit", "opensora"), help="opensora: an STDiT3 "
-                   "folder Open-Sora 1.2 loads (for models with model.position_embedding=opensora)")
+    q.add_argument("--format", default="videodit", choices=("videodit", *EXPORT_LOADERS), help="opensora: an "
+                   "STDiT3 folder Open-Sora 1.2 loads (for models with model.position_embedding=opensora); wan / "
+                   "diffusers: a Wan model as Wan's WanModel / diffusers' WanTransformer3DModel load it")
     q.set_defaults(func=cmd_ckpt_export)
-    q = ksub.add_parser("import", help="convert Open-Sora 1.2 STDiT3 weights (its folder, or a training checkpoint "
-                        "or its ema.pt) into a videodit model folder")
+    q = ksub.add_parser("import", help="convert released weights (Open-Sora 1.2 STDiT3: its folder, a training "
+                        "checkpoint or its ema.pt; Wan 2.1: its folder or a diffusers one) into a videodit model "
+                        "folder")
     q.add_argument("src")
     q.add_argument("out")
     q.add_argument("--ema", action="store_true", help="a training checkpoint's EMA weights (ema.pt)")
@@ -111,7 +121,8 @@ def register(sub) -> None:
     msub = p.add_subparsers(dest="model_command", required=True, metavar="ACTION")
     q = msub.add_parser("info", help="print every preset's geometry and parameter count")
     q.add_argument("--config", default="tiny", help="config whose other model keys apply")
-    q.add_argument("--latent-channels", type=int, default=4, help="VAE latent channels (Open-Sora: 4)")
-    q.add_argument("--caption-channels", type=int, default=4096, help="text embedding width (T5-XXL: 4096)")
-    q.add_argument("--caption-length", type=int, default=300, help="caption tokens (Open-Sora: 300)")
+    q.add_argument("--latent-channels", type=int, help="VAE latent channels (default: the family's released "
+                   "VAE: Open-Sora 1.2 4, Wan 2.1 16)")
+    q.add_argument("--caption-channels", type=int, help="text embedding width (default: T5-XXL / umT5-XXL, 4096)")
+    q.add_argument("--caption-length", type=int, help="caption tokens (default: Open-Sora 1.2 300, Wan 512)")
     q.set_defaults(func=cmd_model_info)

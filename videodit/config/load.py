@@ -18,7 +18,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from videodit.config.schema import PARALLEL_ALIASES, ZERO_STAGES, Config
+from videodit.config.schema import LORA_TARGETS, PARALLEL_ALIASES, ZERO_STAGES, Config
 from videodit.errors import UserError
 
 PRESETS_PACKAGE = "videodit.config.presets"
@@ -143,6 +143,8 @@ def from_yaml(text: str, what: str) -> Config:
 def from_dict(raw: dict) -> Config:
     cfg = _build(Config, _apply_memory_aliases(_apply_parallel_aliases(raw)), prefix="")
     cfg.model = cfg.model.resolved()
+    if cfg.lora.targets is None:
+        cfg.lora.targets = list(LORA_TARGETS[cfg.model.family])
     _check_consistency(cfg)
     return cfg
 
@@ -203,6 +205,11 @@ def _apply_memory_aliases(raw: dict) -> dict:
 def _check_consistency(cfg: Config) -> None:
     """Constraints between keys, checked before anything is built."""
     m = cfg.model
+    if m.family != m.preset_family:
+        raise UserError(f"model.family={m.family} does not fit model.preset={m.preset} (a {m.preset_family} preset); "
+                        f"choose a {m.family} preset or leave model.family unset")
+    if m.family == "wan" and m.ffn_dim is None:
+        raise UserError("model.ffn_dim is not set; a Wan preset sets it (wan-tiny, wan2.1-t2v-1.3b, ...)")
     if m.hidden_size % m.num_heads:
         valid = [h for h in range(1, m.hidden_size + 1) if m.hidden_size % h == 0 and h <= 64]
         raise UserError(f"model.num_heads={m.num_heads} does not divide model.hidden_size={m.hidden_size}; "

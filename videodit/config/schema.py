@@ -21,8 +21,10 @@ def opt(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
-# Model geometry presets. "depth" counts spatial+temporal block pairs, as STDiT3 does:
-# XL is Open-Sora 1.2's STDiT3-XL/2 (28 pairs, hidden 1152, 16 heads, patch (1,2,2)).
+# Model geometry presets, each of one family (``model.family``). STDiT's "depth" counts
+# spatial+temporal block pairs, as STDiT3 does: XL is Open-Sora 1.2's STDiT3-XL/2 (28 pairs,
+# hidden 1152, 16 heads, patch (1,2,2)). Wan's "depth" counts its blocks and ``ffn_dim`` is its
+# FFN width: the sizes of Wan 2.1's released T2V models (wan/configs/wan_t2v_*.py).
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(depth=4, hidden_size=128, num_heads=4, mlp_ratio=4.0, patch_size=[1, 4, 4]),
     "S": dict(depth=12, hidden_size=384, num_heads=6, mlp_ratio=4.0, patch_size=[1, 2, 2]),
@@ -32,23 +34,31 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "opensora-v1.2": dict(depth=28, hidden_size=1152, num_heads=16, mlp_ratio=4.0, patch_size=[1, 2, 2],
                           position_embedding="opensora", null_caption_mask="prompt", bf16_timesteps=True,
                           freeze_null_caption=True),
+    "wan-tiny": dict(family="wan", depth=2, hidden_size=64, num_heads=4, ffn_dim=128, patch_size=[1, 2, 2]),
+    "wan2.1-t2v-1.3b": dict(family="wan", depth=30, hidden_size=1536, num_heads=12, ffn_dim=8960,
+                            patch_size=[1, 2, 2]),
+    "wan2.1-t2v-14b": dict(family="wan", depth=40, hidden_size=5120, num_heads=40, ffn_dim=13824,
+                           patch_size=[1, 2, 2]),
 }
 # The model options a preset may set, where it does not: videodit's own behaviour.
-MODEL_OPTION_DEFAULTS: dict[str, Any] = dict(position_embedding="videodit", null_caption_mask="full",
+MODEL_OPTION_DEFAULTS: dict[str, Any] = dict(family="stdit", position_embedding="videodit", null_caption_mask="full",
                                              bf16_timesteps=False, freeze_null_caption=False)
 
 
 @dataclass
 class ModelConfig:
     preset: str = opt("tiny", "model geometry preset: tiny, S, B, XL or opensora-v1.2 (XL with Open-Sora 1.2's "
-                      "options, for its weights); fields set below override it",
-                      choices=tuple(MODEL_PRESETS))
+                      "options, for its weights) of the STDiT family; wan-tiny, wan2.1-t2v-1.3b or wan2.1-t2v-14b "
+                      "of the Wan family; fields set below override it", choices=tuple(MODEL_PRESETS))
+    family: Optional[str] = opt(None, "model family: stdit (Open-Sora 1.2) or wan (Wan 2.1) (default: the "
+                                "preset's; it must agree with the preset)", choices=("stdit", "wan"))
     depth: Optional[int] = opt(None, "number of spatial+temporal block pairs (default: from preset)", min=1)
     hidden_size: Optional[int] = opt(None, "transformer width (default: from preset)", min=1)
     num_heads: Optional[int] = opt(None, "attention heads (default: from preset)", min=1)
     mlp_ratio: Optional[float] = opt(None, "MLP hidden size / width (default: from preset)", min=0.0)
     patch_size: Optional[list[int]] = opt(None, "3D patch (pt, ph, pw) over latents (default: from preset)",
                                           length=3, min=1)
+    ffn_dim: Optional[int] = opt(None, "Wan: FFN hidden width (default: from preset)", min=1)
     qk_norm: bool = opt(True, "RMS-normalise queries and keys in self-attention")
     pos_base_grid: int = opt(16, "patch grid side at which spatial positions span their base range")
     temporal_pos_embed: bool = opt(False, "add an absolute sin/cos frame-index embedding (STDiT3 has only "
@@ -75,7 +85,12 @@ class ModelConfig:
         """A copy with every preset-derived field filled in."""
         preset = {**MODEL_OPTION_DEFAULTS, **MODEL_PRESETS[self.preset]}
         filled = {k: (v if v is not None else preset.get(k)) for k, v in dataclasses.asdict(self).items()}
+        filled["family"] = preset["family"] if self.family is None else self.family   # checked in load.py
         return ModelConfig(**filled)
+
+    @property
+    def preset_family(self) -> str:
+        return {**MODEL_OPTION_DEFAULTS, **MODEL_PRESETS[self.preset]}["family"]
 
 
 @dataclass
@@ -224,9 +239,10 @@ class MemoryConfig:
         return candidates[: math.ceil(len(candidates) * self.checkpoint_fraction - 1e-9)]
 
 
-# What LoRA adapts by default: every block's self-attention projections and its MLP (module
-# paths inside each spatial and temporal block; see models/lora.py).
-LORA_TARGETS = ["attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc1", "mlp.fc2"]
+# What LoRA adapts by default, per model family: every block's self-attention projections and
+# its MLP (module paths inside each block; see models/lora.py). Wan's are its original names.
+LORA_TARGETS = {"stdit": ["attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc1", "mlp.fc2"],
+                "wan": ["self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "ffn.0", "ffn.2"]}
 
 
 @dataclass
@@ -236,8 +252,10 @@ class LoraConfig:
     alpha: Optional[float] = opt(None, "LoRA scale numerator: adapter outputs are scaled by alpha/rank (default: "
                                  "the rank, i.e. scale 1)", min=0.0)
     dropout: float = opt(0.0, "dropout on the adapters' inputs", min=0.0, max=1.0)
-    targets: list[str] = opt(LORA_TARGETS, "Linear layers that get adapters: a path inside every block (attn.q, "
-                             "cross_attn.k, mlp.fc1, ...) or a full module path (t_block.1)", nonempty=True)
+    targets: Optional[list[str]] = opt(None, "Linear layers that get adapters: a path inside every block (attn.q, "
+                                       "cross_attn.k, mlp.fc1, ...; Wan: self_attn.q, ffn.0, ... or diffusers' "
+                                       "attn1.to_q, ffn.net.0.proj, ...) or a full module path (t_block.1) "
+                                       "(default: the family's self-attention and MLP)", nonempty=True)
 
 
 @dataclass

@@ -1,7 +1,9 @@
-"""Pure model code (no torch.distributed): the STDiT, its layers, its FLOP model, Open-Sora
-STDiT3 weight conversion, and the frozen VAE and text encoder adapters."""
+"""Pure model code (no torch.distributed): one folder per model family (``stdit/``, ``wan/``),
+each behind the :class:`~videodit.models.spec.ModelSpec` seam (``families.py`` is the registry),
+plus the pieces families share: layers, the FLOP model, LoRA, the frozen VAE and text encoder
+adapters."""
 
 from videodit.models.pretrained import load_pretrained
-from videodit.models.stdit import DiTGeometry, STDiT, count_parameters
+from videodit.models.spec import count_parameters
 
-__all__ = ["DiTGeometry", "STDiT", "count_parameters", "load_pretrained"]
+__all__ = ["count_parameters", "load_pretrained"]

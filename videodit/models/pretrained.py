@@ -1,8 +1,8 @@
 """``load_pretrained``: a model from any folder videodit reads weights from.
 
-A videodit model folder (``STDiT.save_pretrained``, ``videodit ckpt export`` or ``ckpt import``:
-``config.json`` with ``model_type: videodit-stdit`` + ``model.safetensors``), or any Open-Sora
-STDiT3 layout (``opensora_files.py``: the Hugging Face folder or a training checkpoint), converted
+A videodit model folder (``save_pretrained``, ``videodit ckpt export`` or ``ckpt import``:
+``config.json`` with the family's ``model_type`` + ``model.safetensors``), or any family's
+released layout (Open-Sora's STDiT3 folders and training checkpoints, Wan's folders), converted
 on the fly. Nothing from the folder is executed.
 """
 
@@ -12,27 +12,61 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
+from torch import nn
 
 from videodit.errors import UserError
-from videodit.models.opensora_files import load_opensora, opensora_layout
-from videodit.models.stdit import CONFIG_NAME, MODEL_TYPE, WEIGHTS_NAME, STDiT, load_model_folder
+from videodit.models.families import families, released_spec, spec_for_model_type
+
+CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 
 
-def load_pretrained(path: str | Path, device: str | torch.device = "cpu", ema: bool = False) -> STDiT:
-    """The STDiT at ``path`` in fp32. ``ema``: an Open-Sora training checkpoint's EMA weights."""
+def load_pretrained(path: str | Path, device: str | torch.device = "cpu", ema: bool = False) -> nn.Module:
+    """The model at ``path`` in fp32. ``ema``: an Open-Sora training checkpoint's EMA weights."""
     path = Path(path)
-    if opensora_layout(path):
-        return load_opensora(path, ema=ema, device=device)
+    spec = released_spec(path)
+    if spec is not None:
+        geometry, tensors = spec.read_released(path, ema=ema)
+        return _filled(spec, geometry, tensors).to(device)
     config = path / CONFIG_NAME
     if not config.is_file() or not (path / WEIGHTS_NAME).is_file():
         raise UserError(f"{path} is not a model folder: pass a videodit one ({CONFIG_NAME} + {WEIGHTS_NAME}, as "
-                        "videodit ckpt export writes it), an Open-Sora STDiT3 folder or an Open-Sora training "
-                        "checkpoint")
+                        "videodit ckpt export writes it) or released weights "
+                        f"({', '.join(s.released_name for s in families().values())})")
     try:
-        model_type = json.loads(config.read_text()).get("model_type")
-    except (ValueError, UnicodeDecodeError, AttributeError):
-        model_type = None
-    if model_type not in (MODEL_TYPE, None):
+        config_dict = json.loads(config.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UserError(f"{config} is not valid JSON ({exc}); write it with videodit ckpt export") from None
+    model_type = config_dict.get("model_type") if isinstance(config_dict, dict) else None
+    # Folders written before model families carried STDiT's arguments; its reader names what is missing.
+    spec = spec_for_model_type(model_type) if model_type is not None else families()["stdit"]
+    if spec is None:
+        known = ", ".join(repr(s.model_type) for s in families().values())
         raise UserError(f"{config} describes a {model_type!r} model; videodit loads its own model folders "
-                        f"({MODEL_TYPE!r}) and Open-Sora STDiT3 ones")
-    return load_model_folder(path, device)
+                        f"({known}) and released weights")
+    return _filled(spec, spec.geometry_from_config(config_dict), load_file(str(path / WEIGHTS_NAME))).to(device)
+
+
+def _filled(spec, geometry, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """The family's model built on the meta device and given ``tensors`` (fp32), strictly."""
+    with torch.device("meta"):
+        model = spec.build(geometry)
+    try:
+        model.load_state_dict({name: t.float() if t.is_floating_point() else t for name, t in tensors.items()},
+                              assign=True)
+    except RuntimeError as exc:
+        raise UserError(f"the weights do not fit a {spec.family} model of their config "
+                        f"({' '.join(str(exc).split())[:200]})") from None
+    _rebuild_buffers(model, spec, geometry)
+    return model
+
+
+def _rebuild_buffers(model: nn.Module, spec, geometry) -> None:
+    """Non-persistent buffers (RoPE tables) are not in a state dict: take them from a model
+    built on the CPU (small: buffers only, the weights stay as loaded)."""
+    meta = [name for name, b in model.named_buffers() if b.is_meta]
+    if meta:
+        fresh = dict(spec.build(geometry).named_buffers())
+        for name in meta:
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner).register_buffer(leaf, fresh[name], persistent=False)

@@ -1,4 +1,4 @@
-"""The interface every frozen VAE adapter implements (``models/vae.py``, ``models/opensora_vae.py``).
+"""The interface every frozen VAE adapter implements (``models/vae.py``, ``models/stdit/opensora_vae.py``).
 
 * ``latent_channels``, ``spatial_compression`` (pixels per latent along H and W) and
   ``temporal_compression`` (frames per latent frame; 1 for per-frame VAEs);
@@ -16,9 +16,34 @@ parent module calls ``.train()``, and encode/decode run under ``torch.no_grad()`
 
 from __future__ import annotations
 
+import math
+
 from torch import Tensor, nn
 
 from videodit.errors import UserError
+
+
+# Open-Sora 1.2's VAE cuts clips into pieces of this many frames (models/stdit/opensora_vae.py);
+# the rule lives here because the planner counts latent frames without building that VAE.
+CHUNK_FRAMES = 17
+
+
+def clip_pieces(num_frames: int, chunk: int | None = CHUNK_FRAMES) -> list[int]:
+    """Frame counts of the pieces a clip is encoded in: ``chunk`` frames each, the last one
+    possibly shorter (``chunk=None``: the whole clip is one piece)."""
+    if num_frames < 1:
+        raise ValueError(f"num_frames must be at least 1, got {num_frames}")
+    if chunk is None or num_frames <= chunk:
+        return [num_frames]
+    full, rest = divmod(num_frames, chunk)
+    return [chunk] * full + ([rest] if rest else [])
+
+
+def latent_frames(num_frames: int, chunk: int | None = CHUNK_FRAMES, factor: int = 4) -> int:
+    """Latent frames for ``num_frames`` pixel frames: each piece (:func:`clip_pieces`) is
+    front-padded to a multiple of ``factor`` and compressed ``factor``x. With the released VAE:
+    1->1, 16->4, 17->5, 20->6, 51->15, 102->30. The planner uses this function too: one rule."""
+    return sum(math.ceil(n / factor) for n in clip_pieces(num_frames, chunk))
 
 
 class FrozenVAE(nn.Module):
@@ -70,4 +95,4 @@ class FrozenVAE(nn.Module):
         raise NotImplementedError
 
 
-__all__ = ["FrozenVAE"]
+__all__ = ["CHUNK_FRAMES", "FrozenVAE", "clip_pieces", "latent_frames"]

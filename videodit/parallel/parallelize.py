@@ -26,9 +26,9 @@ from videodit.parallel.activation_checkpoint import apply_activation_checkpointi
 from videodit.parallel.compile import CompileOptions, CompileStats, apply_compile
 from videodit.parallel.distributed import DistContext
 from videodit.models.flops import block_costs
-from videodit.models.stdit import STDiT
+from videodit.models.families import spec_of
 from videodit.parallel.gradients import clip_gradients, gradient_sync, sum_partial_gradients
-from videodit.parallel.pipeline import (X_MASK, PipelineSchedule, build_pipeline, check_microbatches,
+from videodit.parallel.pipeline import (PipelineSchedule, build_pipeline, check_microbatches,
                                        pack_target, pipeline_loss)
 from videodit.parallel.saved_tensors import wrap_saved_tensors
 from videodit.parallel.sequence import apply_sequence_parallel
@@ -54,6 +54,11 @@ class ParallelModel:
     compile_stats: CompileStats | None = None                      # graphs compiled for the blocks
 
     @property
+    def frame_mask_index(self) -> int | None:
+        """Where the model inputs carry ``x_mask`` (the family's, for frame conditioning)."""
+        return spec_of(self.local_model).frame_mask_index()
+
+    @property
     def sharded(self) -> bool:
         """Whether this rank holds only part of the weights (FSDP/HSDP shards, TP shards or
         pipeline stages): checkpoints then gather whole tensors and also write DCP shards."""
@@ -76,7 +81,8 @@ class ParallelModel:
             raise RuntimeError("under pipeline parallelism the loss is computed inside forward_backward")
         with self.autocast():
             out = self.module(*inputs)
-        return self.loss_fn(out, inputs[0], inputs[1], target, *inputs[X_MASK:])   # x_mask, if given
+        at = self.frame_mask_index
+        return self.loss_fn(out, inputs[0], inputs[1], target, *(inputs[at:] if at is not None else ()))
 
     def forward_backward(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, *, scale: float,
                          sync: bool) -> float:
@@ -86,8 +92,10 @@ class ParallelModel:
         scaled loss this rank saw (0 on pipeline ranks without the last stage)."""
         if self.pipeline is not None:
             with self.autocast():
-                x_mask = inputs[X_MASK] if len(inputs) > X_MASK else None
-                packed = pack_target(inputs[0], target, inputs[1], x_mask, self.local_model.geometry.patch_size[0])
+                at = self.frame_mask_index
+                x_mask = inputs[at] if at is not None and len(inputs) > at else None
+                geometry = self.local_model.geometry
+                packed = pack_target(inputs[0], target, inputs[1], x_mask, spec_of(geometry).patch_size(geometry)[0])
                 return self.pipeline.step(inputs, packed, scale)
         with gradient_sync(self.module, enabled=sync):
             loss = self.loss(inputs, target) * scale
@@ -113,7 +121,7 @@ class ParallelModel:
         return clip_gradients(self.local_model.parameters(), max_norm, pp_group)
 
 
-def parallelize(model: STDiT, ctx: DistContext, cfg: ParallelConfig, *, memory: MemoryConfig,
+def parallelize(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *, memory: MemoryConfig,
                 loss_fn: Callable, autocast_dtype: torch.dtype | None = None,
                 bucket_batch_sizes: dict[str, int] | None = None,
                 base_grid: tuple[int, int, int] | None = None,

@@ -23,9 +23,10 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from videodit.config import Config, MemoryConfig
-from videodit.models.stdit import DiTGeometry, STDiT
+from videodit.models.families import spec_of
 
 FP32 = 4
 
@@ -121,14 +122,14 @@ class Lora:
         return self.block_params + self.other_params
 
 
-def count_lora(cfg, geometry: DiTGeometry, model: STDiT | None = None) -> Lora | None:
+def count_lora(cfg, geometry, model: nn.Module | None = None) -> Lora | None:
     """The adapters ``cfg`` (a LoraConfig) adds to ``geometry``'s model (None when off)."""
     from videodit.models.lora import target_shapes
     if not cfg.rank:
         return None
     if model is None:
         with torch.device("meta"):
-            model = STDiT(geometry)
+            model = spec_of(geometry).build(geometry)
     shapes = target_shapes(model, cfg)
     first = next(name for name, module in model.named_modules() if module is model.blocks[0]) + "."
     block = {path[len(first):]: shape for path, shape in shapes.items() if path.startswith(first)}
@@ -150,11 +151,11 @@ class ModelCounts:
         return self.num_params - self.block_params
 
 
-def count_model(geometry: DiTGeometry, model: STDiT | None = None) -> ModelCounts:
+def count_model(geometry, model: nn.Module | None = None) -> ModelCounts:
     """Exact parameter counts, from the model built on the meta device (no memory, no time)."""
     if model is None:
         with torch.device("meta"):
-            model = STDiT(geometry)
+            model = spec_of(geometry).build(geometry)
     blocks = sum(p.numel() for b in model.blocks for p in b.parameters())
     return ModelCounts(sum(p.numel() for p in model.parameters()), blocks, len(model.blocks))
 
@@ -169,11 +170,9 @@ class Shape:
     latent_channels: int
     caption_length: int
 
-    def tokens(self, geometry: DiTGeometry) -> int:
+    def tokens(self, geometry) -> int:
         """Tokens per sample: T' x H' x W' after patching (padded up, as the model pads)."""
-        pt, ph, pw = geometry.patch_size
-        return (math.ceil(self.latent_frames / pt) * math.ceil(self.latent_height / ph)
-                * math.ceil(self.latent_width / pw))
+        return spec_of(geometry).tokens(geometry, self.latent_frames, self.latent_height, self.latent_width)
 
     @property
     def latent_elements(self) -> int:
@@ -206,7 +205,7 @@ class Estimate:
 # --------------------------------------------------------------------------- activations
 
 
-def block_activation_bytes(geometry: DiTGeometry, tokens: int, batch: int, caption_length: int,
+def block_activation_bytes(geometry, tokens: int, batch: int, caption_length: int,
                            parallel: Parallel, precision: Precision, mode: str = "none",
                            compression: str = "none", lora: Lora | None = None) -> float:
     """Bytes one block keeps for backward, for ``tokens`` tokens on this rank.
@@ -216,8 +215,8 @@ def block_activation_bytes(geometry: DiTGeometry, tokens: int, batch: int, capti
     keeps no input for its own weights' gradients (``needed_by``), the adapters keep their
     rank-wide intermediate (and with dropout, their dropped-out input and its mask).
     """
-    d, heads, tp = geometry.hidden_size, geometry.num_heads, parallel.tp
-    m = int(d * geometry.mlp_ratio)
+    dims = spec_of(geometry).activation_dims(geometry)
+    d, heads, m, tp = dims.hidden_size, dims.num_heads, dims.mlp_hidden, parallel.tp
     if mode == "full":
         return tokens * d * FP32
     total = 0.0
@@ -248,7 +247,7 @@ def block_activation_bytes(geometry: DiTGeometry, tokens: int, batch: int, capti
     return total
 
 
-def activation_bytes(geometry: DiTGeometry, shape: Shape, parallel: Parallel, precision: Precision,
+def activation_bytes(geometry, shape: Shape, parallel: Parallel, precision: Precision,
                      memory: MemoryConfig, num_blocks: int, lora: Lora | None = None) -> tuple[int, dict]:
     """Everything forward keeps until backward, on the rank with the most of it."""
     if parallel.pp > 1:   # one micro-batch at a time, several in flight
@@ -265,7 +264,7 @@ def activation_bytes(geometry: DiTGeometry, shape: Shape, parallel: Parallel, pr
     modes = [memory.checkpointing if i in checkpointed else "none" for i in range(blocks_here)]
     kept_blocks = sum(per_block[mode] for mode in modes)
     if lora is not None and modes and modes[0] == "none":
-        kept_blocks -= tokens * geometry.hidden_size * FP32   # LoRA: the first block's input needs no gradient
+        kept_blocks -= tokens * spec_of(geometry).activation_dims(geometry).hidden_size * FP32   # LoRA: the first block's input needs no gradient
     offloaded = 0.0
     if memory.offload:
         # Offloaded blocks keep nothing on the GPU once their copies finish; count one in flight.
@@ -276,7 +275,7 @@ def activation_bytes(geometry: DiTGeometry, shape: Shape, parallel: Parallel, pr
     # first block and gathered after the last): the final layer's norm and modulation (2 D per
     # token), the gathered block output under SP, and about five latent-sized tensors (input,
     # patch output, unpatchified output, velocity, error).
-    d = geometry.hidden_size
+    d = spec_of(geometry).activation_dims(geometry).hidden_size
     all_tokens = shape.batch * shape.tokens(geometry)
     gathered = all_tokens * d * FP32 if parallel.sp > 1 else 0
     # LoRA: the frozen output layer keeps neither its norm's output nor its projection's input.
@@ -297,7 +296,7 @@ def local_params(counts: ModelCounts, parallel: Parallel) -> float:
     return (counts.block_params / parallel.pp / parallel.tp + counts.other_params) / parallel.shard
 
 
-def estimate(geometry: DiTGeometry, shape: Shape, *, parallel: Parallel = Parallel(),
+def estimate(geometry, shape: Shape, *, parallel: Parallel = Parallel(),
              precision: Precision = Precision(), memory: MemoryConfig = MemoryConfig(),
              ema: bool = True, encoder_bytes: int = 0, counts: ModelCounts | None = None,
              lora: Lora | None = None) -> Estimate:

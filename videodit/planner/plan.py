@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,8 +23,8 @@ from videodit.errors import UserError
 from videodit.planner.estimate import (Estimate, Lora, Parallel, Precision, Shape, count_lora, count_model,
                                       estimate, parallel_from_config, precision_from_config)
 from videodit.models.flops import StepFlops, train_step_flops
-from videodit.models.stdit import DiTGeometry, STDiT
-from videodit.models.temporal_vae import CHUNK_FRAMES, latent_frames
+from videodit.models.families import get_spec, spec_of
+from videodit.models.vae_base import CHUNK_FRAMES, latent_frames
 
 MAX_BATCH = 4096
 
@@ -92,7 +93,7 @@ class BucketFit:
 @dataclass
 class Planner:
     """Everything fixed across buckets: model, parallel layout, precision, memory levers."""
-    geometry: DiTGeometry
+    geometry: Any   # the model family's arguments
     parallel: Parallel
     bf16: bool
     memory: MemoryConfig
@@ -107,7 +108,7 @@ class Planner:
 
     def __post_init__(self):
         with torch.device("meta"):    # structure only: no memory, no initialisation cost
-            self.meta_model = STDiT(self.geometry)
+            self.meta_model = spec_of(self.geometry).build(self.geometry)
         self.counts = count_model(self.geometry, self.meta_model)
 
     @property
@@ -292,7 +293,6 @@ def planner_from_config(cfg: Config, gpu_bytes: int, *, world_size: int | None =
     the config's encoders when they are built in (identity VAE, toy text) or known
     (vae.kind=opensora-v1.2); other local pretrained ones are described with
     ``latent``/``caption`` instead of being loaded."""
-    from videodit.components import model_geometry
     if cfg.data.cache:   # features are cached: no encoder on the GPU; geometry from the cache when built
         latent, caption, encoder_bytes = *_cached_geometry(cfg, latent, caption), 0
     if latent is None:
@@ -306,8 +306,7 @@ def planner_from_config(cfg: Config, gpu_bytes: int, *, world_size: int | None =
                             "(e.g. 4096,300 for T5-XXL); the planner does not load the encoder")
         caption = (cfg.text.dim, cfg.text.max_length)
     channels, length = caption
-    geometry = model_geometry(cfg, latent.channels, channels)
-    geometry = dataclasses.replace(geometry, caption_length=length)
+    geometry = get_spec(cfg.model.family).geometry(cfg.model, latent.channels, channels, length)
     parallel = parallel_from_config(cfg, world_size)
     p = cfg.parallel
     multiple = (p.pp_microbatches or p.pp) if p.pp > 1 else 1

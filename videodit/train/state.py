@@ -25,7 +25,7 @@ from videodit.checkpoint import CheckpointManager, LoadedCheckpoint
 from videodit.data.sampler import BucketBatchSampler
 from videodit.errors import UserError
 from videodit.checkpoint.lora import check_base, init_weights
-from videodit.models.opensora_files import opensora_layout
+from videodit.models.families import released_spec
 from videodit.parallel.parallelize import ParallelModel
 from videodit.parallel.state import (full_tensors, gather_stages, load_model_state, load_optimizer_state,
                                      load_shards, optimizer_state, save_shards, saved_state)
@@ -153,8 +153,9 @@ def init_weights_from(model: torch.nn.Module, source: str) -> str:
     """Load the weights of a checkpoint or exported model folder into a freshly built model
     (``model.init_from``); returns which weights were taken. Shapes must match exactly."""
     fix = "set model.* as in that run's config.yaml"
-    if opensora_layout(source):   # Open-Sora STDiT3 weights, converted on the fly
-        fix = "use model.preset=opensora-v1.2 (or its geometry)"
+    released = released_spec(source)
+    if released is not None:   # released weights (Open-Sora STDiT3, Wan), converted on the fly
+        fix = released.released_fix
     # What a source gives (checkpoint/lora.py): the same weights a LoRA run's sampling takes as its base.
     weights, taken = init_weights(source)
     own = model.state_dict()

@@ -37,7 +37,8 @@ from videodit.diffusion.frame_mask import FrameConditioning
 from videodit.diffusion.rectified_flow import RectifiedFlow
 from videodit.errors import UserError, os_error_message
 from videodit.models.flops import train_step_flops
-from videodit.models.stdit import count_parameters
+from videodit.models.families import get_spec
+from videodit.models.spec import Conditions, count_parameters
 from videodit.parallel.compile import compile_options
 from videodit.parallel.distributed import init_distributed
 from videodit.parallel.lora import apply_lora, lora_summary
@@ -96,7 +97,11 @@ class Trainer:
         if self.encode_in_bf16:
             self.text.to(torch.bfloat16)
         self.flow = RectifiedFlow(cfg.diffusion)
+        self.spec = get_spec(cfg.model.family)
         self.conditioning = frame_conditioning(cfg)
+        if self.conditioning is not None and self.spec.frame_mask_index() is None:
+            raise UserError(f"diffusion.mask_ratios (Open-Sora 1.2's frame masks) is not supported by the "
+                            f"{cfg.model.family} family; remove it")
         model = build_model(cfg, self.vae, self.text)
         lora_base = None
         if cfg.lora.rank:   # the frozen base, recorded by its absolute path (config.yaml) and fingerprint
@@ -265,9 +270,9 @@ class Trainer:
         return self.parallel.loss(*self.prepare(batch))
 
     def prepare(self, batch: Batch) -> tuple[tuple, torch.Tensor]:
-        """The model inputs (x_t, t, y, y_mask, fps, drop_caption, height, width[, x_mask]) of one
-        micro-batch and its velocity target; the batch's ``noise_seed`` draws its noise, timesteps,
-        dropout and frame masks (x_mask only with ``diffusion.mask_ratios``)."""
+        """The model inputs of one micro-batch (the family's ``model_inputs``: x_t, t, then its
+        conditions) and its velocity target; the batch's ``noise_seed`` draws its noise,
+        timesteps, dropout and frame masks (x_mask only with ``diffusion.mask_ratios``)."""
         x0, y, y_mask, size = self.features(batch)
         n = x0.shape[0]
         generator = torch.Generator().manual_seed(batch.noise_seed)
@@ -276,13 +281,12 @@ class Trainer:
         noise = torch.randn(x0.shape, generator=generator).to(self.device)
         drop = (torch.rand(n, generator=generator) < self.cfg.diffusion.caption_dropout).to(self.device)
         x_t = self.flow.interpolate(x0, noise, t)
-        pixels = [torch.full((n,), float(side), device=self.device) for side in size[-2:]]
-        x_mask = ()
+        height, width = (torch.full((n,), float(side), device=self.device) for side in size[-2:])
+        x_mask = None
         if self.conditioning is not None:
-            x_t, mask = self.conditioning.apply(x_t, x0, generator)
-            x_mask = (mask,)
-        inputs = (x_t, t, y, y_mask, batch.fps.to(self.device, non_blocking=True), drop, *pixels, *x_mask)
-        return inputs, self.flow.velocity_target(x0, noise)
+            x_t, x_mask = self.conditioning.apply(x_t, x0, generator)
+        cond = Conditions(y, y_mask, drop, batch.fps.to(self.device, non_blocking=True), height, width, x_mask)
+        return self.spec.model_inputs(x_t, t, cond), self.flow.velocity_target(x0, noise)
 
     def features(self, batch: Batch | CachedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
         """(x0 latents, caption embeddings, caption mask, (frames, height, width) in pixels) of one
@@ -351,8 +355,7 @@ class Trainer:
         base shape: where pipeline stages are balanced."""
         cfg = self.cfg
         frames, height, width = self.vae.latent_size(cfg.data.num_frames, cfg.data.height, cfg.data.width)
-        pt, ph, pw = model.geometry.patch_size
-        return -(-frames // pt), -(-height // ph) * -(-width // pw), cfg.text.max_length
+        return (*self.spec.token_grid(model.geometry, frames, height, width), cfg.text.max_length)
 
     def _validation_due(self) -> bool:
         every = self.cfg.validation.every_steps

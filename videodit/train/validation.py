@@ -16,6 +16,8 @@ from videodit.config import Config
 from videodit.data.feature_cache import CachedBatch, build_cached_validation_data
 from videodit.data.loader import build_validation_data
 from videodit.diffusion.rectified_flow import RectifiedFlow
+from videodit.models.families import spec_of
+from videodit.models.spec import Conditions
 
 
 class Validator:
@@ -50,12 +52,13 @@ class Validator:
             generator = torch.Generator().manual_seed(index)   # the same noise at every evaluation
             noise = torch.randn(x0.shape, generator=generator).to(self.device)
             keep = torch.zeros(n, dtype=torch.bool, device=self.device)
+            cond = Conditions(y, y_mask, keep, batch.fps.to(self.device), *size[-2:])
             loss = 0.0
             for t_value in self.timesteps:
                 t = flow.shift(torch.full((n,), t_value), ratio).to(self.device)
                 x_t = flow.interpolate(x0, noise, t)
                 with autocast():
-                    out = model(x_t, t, y, y_mask, batch.fps.to(self.device), keep, *size[-2:])
+                    out = model(*spec_of(model).model_inputs(x_t, t, cond))
                 loss += flow.loss(out, x_t, t, flow.velocity_target(x0, noise)).item()
             name = f"val_loss/{size[0]}x{size[1]}x{size[2]}"
             totals[name] += loss / len(self.timesteps) * n

@@ -27,7 +27,7 @@ import torch
 
 from videodit.errors import UserError
 from videodit.models.layers import OPENSORA_BASE_PIXELS, RotaryEmbedding
-from videodit.models.stdit import DiTGeometry, STDiT
+from videodit.models.stdit.model import DiTGeometry, STDiT
 
 OPENSORA_MODEL_TYPE = "STDiT3"
 # STDiT3Config's defaults (v1.2.0), for keys a config.json leaves out.

@@ -6,7 +6,7 @@ Encoding, as Open-Sora does it:
 1. every frame through an SD-VAE (diffusers ``AutoencoderKL``, SDXL architecture), times the
    hard-coded 0.18215 of Open-Sora's ``VideoAutoencoderKL`` (not the SDXL config's 0.13025);
 2. the clip cut into pieces of 17 frames (the last may be shorter), each through the temporal
-   VAE (``models/temporal_vae.py``), which front-pads it to a multiple of 4 frames and
+   VAE (``models/stdit/temporal_vae.py``), which front-pads it to a multiple of 4 frames and
    compresses time 4x;
 3. per channel ``(z - shift) / scale``, both tensors of the checkpoint.
 
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from videodit.errors import UserError
-from videodit.models.temporal_vae import TemporalVAE, TemporalVAEConfig, clip_pieces, latent_frames
+from videodit.models.stdit.temporal_vae import TemporalVAE, TemporalVAEConfig, clip_pieces, latent_frames
 from videodit.models.vae_base import FrozenVAE
 
 # Open-Sora's VideoAutoencoderKL multiplies SD-VAE latents by this, whatever the SD-VAE's config says.

@@ -26,9 +26,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from videodit.errors import UserError
-from videodit.models.opensora_stdit import (config_from_weights, from_opensora, geometry_from_opensora,
+from videodit.models.stdit.opensora_stdit import (config_from_weights, from_opensora, geometry_from_opensora,
                                             is_opensora_config, opensora_config, to_opensora)
-from videodit.models.stdit import DiTGeometry, STDiT
+from videodit.models.stdit.model import DiTGeometry, STDiT
 
 WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")

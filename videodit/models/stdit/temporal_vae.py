@@ -8,34 +8,14 @@ load with ``strict=True``. Spatial sizes are never changed here; only time is.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from videodit.models.vae_base import CHUNK_FRAMES, clip_pieces, latent_frames
+
 # The released VAE (OpenSoraVAE_V1_2) encodes clips in chunks of 17 frames.
-CHUNK_FRAMES = 17
-
-
-def clip_pieces(num_frames: int, chunk: int | None = CHUNK_FRAMES) -> list[int]:
-    """Frame counts of the pieces a clip is encoded in: ``chunk`` frames each, the last one
-    possibly shorter (``chunk=None``: the whole clip is one piece)."""
-    if num_frames < 1:
-        raise ValueError(f"num_frames must be at least 1, got {num_frames}")
-    if chunk is None or num_frames <= chunk:
-        return [num_frames]
-    full, rest = divmod(num_frames, chunk)
-    return [chunk] * full + ([rest] if rest else [])
-
-
-def latent_frames(num_frames: int, chunk: int | None = CHUNK_FRAMES, factor: int = 4) -> int:
-    """Latent frames for ``num_frames`` pixel frames: each piece (:func:`clip_pieces`) is
-    front-padded to a multiple of ``factor`` and compressed ``factor``x. With the released VAE:
-    1->1, 16->4, 17->5, 20->6, 51->15, 102->30. The planner uses this function too: one rule."""
-    return sum(math.ceil(n / factor) for n in clip_pieces(num_frames, chunk))
-
-
 @dataclass(frozen=True)
 class TemporalVAEConfig:
     """``VAE_Temporal``'s arguments; the defaults are the released ``VAE_Temporal_SD``."""

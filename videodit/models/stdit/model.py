@@ -9,7 +9,7 @@ through one shared adaLN projection (adaLN-single) and a learned per-block table
 
 Open-Sora 1.2 compatibility is a set of geometry options (``position_embedding="opensora"``,
 ``null_caption_mask="prompt"``, ``bf16_timesteps``) and the ``height``/``width``/``x_mask``
-inputs of :meth:`STDiT.forward`; ``models/opensora_stdit.py`` converts the weights.
+inputs of :meth:`STDiT.forward`; ``models/stdit/opensora_stdit.py`` converts the weights.
 
 This file is pure: no torch.distributed. Parallelism and activation checkpointing are
 applied from outside (``videodit.parallel``). ``save_pretrained`` / ``load_pretrained``
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from videodit.errors import UserError
@@ -327,26 +327,3 @@ def geometry_from_config(config: dict) -> DiTGeometry:
     args = {f.name: config[f.name] for f in fields if f.name in config}
     args["patch_size"] = tuple(args.get("patch_size", (1, 2, 2)))
     return DiTGeometry(**args)
-
-
-def load_model_folder(folder: str | Path, device: str | torch.device = "cpu") -> STDiT:
-    """The model a ``save_pretrained`` folder (``config.json`` + ``model.safetensors``) holds.
-    Safetensors only: loading never runs code from the folder. ``videodit.models.load_pretrained``
-    also reads Open-Sora's layouts."""
-    folder = Path(folder)
-    config_path, weights_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
-    if not config_path.is_file() or not weights_path.is_file():
-        raise UserError(f"{folder} is not a model folder: it needs {CONFIG_NAME} and {WEIGHTS_NAME} "
-                        "(as STDiT.save_pretrained or videodit ckpt export write them)")
-    try:
-        config = json.loads(config_path.read_text())
-    except ValueError as exc:
-        raise UserError(f"{config_path} is not valid JSON ({exc}); write it with STDiT.save_pretrained") from None
-    model = STDiT(geometry_from_config(config))
-    model.load_state_dict({name: t.float() if t.is_floating_point() else t
-                           for name, t in load_file(str(weights_path)).items()})
-    return model.to(device)
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,46 @@
+"""The registry of model families: ``model.family`` -> its :class:`~videodit.models.spec.ModelSpec`.
+
+The one place outside a family's folder that imports it. Everything else asks :func:`get_spec`
+(by name) or :func:`spec_of` (by a model, a pipeline stage or a geometry).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from videodit.errors import UserError
+from videodit.models.spec import ModelSpec
+
+
+@cache
+def families() -> dict[str, ModelSpec]:
+    from videodit.models.stdit.spec import StditSpec
+    from videodit.models.wan.spec import WanSpec
+    return {spec.family: spec for spec in (StditSpec(), WanSpec())}
+
+
+def get_spec(family: str) -> ModelSpec:
+    try:
+        return families()[family]
+    except KeyError:
+        raise UserError(f"model.family={family!r} is not a model family; choose one of: "
+                        f"{', '.join(families())}") from None
+
+
+def spec_of(thing) -> ModelSpec:
+    """The spec of a geometry, or of a model or stage (by its ``geometry``)."""
+    geometry = getattr(thing, "geometry", thing)
+    for spec in families().values():
+        if isinstance(geometry, spec.geometry_type):
+            return spec
+    raise TypeError(f"{type(thing).__name__} belongs to no model family")
+
+
+def spec_for_model_type(model_type: str | None) -> ModelSpec | None:
+    """The family whose videodit model folders carry ``model_type`` in their config.json."""
+    return next((spec for spec in families().values() if spec.model_type == model_type), None)
+
+
+def released_spec(path) -> ModelSpec | None:
+    """The family whose released weights ``path`` holds (Open-Sora's STDiT3, Wan's folders), or None."""
+    return next((spec for spec in families().values() if spec.released_layout(path)), None)

@@ -1,0 +1,185 @@
+"""The model-family seam: everything the rest of videodit knows of a kind of video DiT.
+
+A family is a folder ``models/<family>/`` holding its pure model code, its weight layouts
+and one :class:`ModelSpec`. The trainer, ``parallel/``, the planner, the FLOP model, LoRA,
+the feature cache, ``checkpoint/`` and ``sample.py`` ask the spec (through
+``models/families.py``), never a model class; adding a family is a folder, a spec, fixtures
+from the reference code and a docs page (``docs/architecture.md``).
+
+What a spec answers, grouped as the system asks:
+
+* **build**: a geometry (the model's arguments, a frozen dataclass) from the config and the
+  encoders' sizes, the module from a geometry (meta-device friendly), the config.json of a
+  model folder and back, the latent channels of a state dict;
+* **weights**: which released layouts it reads (``load_released``) and writes (``exporters``);
+* **geometry**: the patch, the token grid of a latent clip;
+* **objective**: the model inputs of a training or sampling step (:class:`Conditions`),
+  the unconditional branch of classifier-free guidance;
+* **blocks**: ``model.blocks``, the repeated units of FSDP, checkpointing, compile and
+  pipeline stages, plus what a pipeline stage is (``pipeline_stage``);
+* **parallel plans**, declared as data so that model code stays free of torch.distributed:
+  a tensor-parallel plan per block and at the root, the sequence-parallel scheme, the
+  parameters whose gradients tensor parallelism leaves partial;
+* **LoRA** default targets; **FLOPs** per block; the planner's **activation** sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Conditions:
+    """Everything but the noisy latents and the time that a step hands the model: the caption
+    tokens ``y`` [B, L, C] and mask [B, L], ``drop`` [B] bool (the caption is dropped: CFG's
+    unconditional branch in training), fps [B], the clip's pixel size, and the frame mask
+    ``x_mask`` [B, T'] (True: generated). A family uses what it needs."""
+    y: torch.Tensor
+    y_mask: torch.Tensor
+    drop: torch.Tensor | None = None
+    fps: torch.Tensor | None = None
+    height: torch.Tensor | float | None = None
+    width: torch.Tensor | float | None = None
+    x_mask: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ActivationDims:
+    """The sizes of one block that the planner's activation model reads (``planner/estimate.py``):
+    width, heads, MLP hidden width and the tokens text is attended from."""
+    hidden_size: int
+    num_heads: int
+    mlp_hidden: int
+    caption_channels: int
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """Declared per block (``block``) and at the root (``root``): module path -> style, where a
+    style is ``"colwise"``, ``"rowwise"``, ``"colwise_gathered"`` (column-wise, output gathered
+    whole) or ``("inputs", layouts)`` (the module's tensor inputs handed on as replicated DTensors,
+    ``layouts`` one of "replicate"/None per input). ``partial``: parameter-name suffixes whose
+    gradients each TP rank computes only in part (summed over TP after backward).
+    ``sharded_norms``: module-path suffixes (inside a block) of norms taken over all heads of a
+    column-sharded projection (Wan's q/k RMSNorm): TP shards their weight like the columns and
+    reduces their mean of squares over the ranks."""
+    block: Callable[[nn.Module], dict[str, Any]]
+    root: dict[str, Any] = field(default_factory=dict)
+    partial: tuple[str, ...] = ()
+    sharded_norms: tuple[str, ...] = ()
+
+
+class ModelSpec:
+    """One model family. Subclasses set the class attributes and implement the methods."""
+
+    family: str                       # model.family
+    model_type: str                   # config.json "model_type" of videodit's model folders
+    geometry_type: type               # the frozen dataclass of the model's arguments
+    sequence_parallel: str            # "stdit_frames" or "full_attention" (parallel/ maps it)
+    lora_targets: tuple[str, ...]     # default lora.targets (paths inside every block)
+    released_encoders: tuple[int, int, int]   # (latent channels, caption channels, caption tokens) of its releases
+
+    # ------------------------------------------------------------------ build
+
+    def geometry(self, model_cfg, latent_channels: int, caption_channels: int, caption_length: int):
+        """The model's arguments from ``model.*`` (resolved) and the encoders' sizes."""
+        raise NotImplementedError
+
+    def build(self, geometry) -> nn.Module:
+        raise NotImplementedError
+
+    def configure(self, model: nn.Module, model_cfg) -> nn.Module:
+        """What the config says about training parts of a built model (freezing); default nothing."""
+        return model
+
+    def geometry_config(self, geometry) -> dict:
+        raise NotImplementedError
+
+    def geometry_from_config(self, config: dict):
+        raise NotImplementedError
+
+    def latent_channels(self, tensors: dict[str, torch.Tensor]) -> int:
+        """The latent channels of a state dict of this family (to rebuild a model from a checkpoint)."""
+        raise NotImplementedError
+
+    def caption_channels(self, tensors: dict[str, torch.Tensor]) -> int:
+        """The text encoder's width a state dict of this family was built for."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ weights
+
+    released_name: str = ""           # how errors name its released weights ("Open-Sora STDiT3")
+    released_format: str = ""         # its id in an import's export.json ("opensora-stdit3")
+    released_short: str = ""          # in messages about weights taken ("Open-Sora")
+    released_fix: str = ""            # what to set when released weights do not fit the model
+    export_formats: tuple[str, ...] = ()   # ``ckpt export --format`` values besides videodit's own
+
+    def released_layout(self, path: Path) -> bool:
+        """Whether ``path`` holds weights in one of the family's released layouts."""
+        return False
+
+    def read_released(self, path: Path, ema: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
+        """(geometry, tensors in the family's own names) of released weights (``released_layout``)."""
+        raise NotImplementedError
+
+    def export_released(self, fmt: str, geometry, tensors: dict[str, torch.Tensor]
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
+        """(tensors, {file name: text}, weights file name) of a folder in released format ``fmt``
+        (one of ``export_formats``)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ geometry, objective
+
+    def patch_size(self, geometry) -> tuple[int, int, int]:
+        return tuple(geometry.patch_size)
+
+    def token_grid(self, geometry, frames: int, height: int, width: int) -> tuple[int, int]:
+        """(patched frames T', positions per frame S) of a latent clip, padded up to the patch."""
+        pt, ph, pw = self.patch_size(geometry)
+        return -(-frames // pt), -(-height // ph) * -(-width // pw)
+
+    def tokens(self, geometry, frames: int, height: int, width: int) -> int:
+        return math.prod(self.token_grid(geometry, frames, height, width))
+
+    def model_inputs(self, x_t: torch.Tensor, t: torch.Tensor, cond: Conditions) -> tuple:
+        """The positional inputs of ``model(...)`` for one step: x_t first, t second."""
+        raise NotImplementedError
+
+    def unconditional(self, cond: Conditions, negative: tuple[torch.Tensor, torch.Tensor] | None) -> Conditions:
+        """The conditions of CFG's unconditional branch; ``negative``: the encoded negative prompt
+        (y, y_mask) where the family samples with one."""
+        raise NotImplementedError
+
+    def frame_mask_index(self) -> int | None:
+        """Where ``x_mask`` sits in :meth:`model_inputs` (frame conditioning), None if unsupported."""
+        return None
+
+    # ------------------------------------------------------------------ blocks and parallelism
+
+    def pipeline_stage(self, model: nn.Module, block_ids, *, first: bool, last: bool) -> nn.Module:
+        raise NotImplementedError(f"{self.family}: no pipeline stages")
+
+    def tensor_parallel_plan(self) -> TensorParallelPlan:
+        raise NotImplementedError
+
+    def check_parallel(self, geometry, *, tp: int, sp: int, ring: int) -> None:
+        """Raise a one-line UserError when the parallel sizes do not fit the model."""
+
+    # ------------------------------------------------------------------ FLOPs and memory
+
+    def forward_flops(self, geometry, frames: int, positions: int, caption_tokens: int):
+        """A :class:`videodit.models.flop_count.FlopCount` of one sample on the patched grid."""
+        raise NotImplementedError
+
+    def activation_dims(self, geometry) -> ActivationDims:
+        raise NotImplementedError
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

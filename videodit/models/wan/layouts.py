@@ -1,0 +1,361 @@
+"""Wan 2.1 DiT weights on disk: Wan's original folder and diffusers' ``WanTransformer3DModel``.
+
+Layouts read (safetensors only; loading never runs code from the files):
+
+- Wan's original folder (``Wan-AI/Wan2.1-T2V-1.3B``): ``config.json`` as ``WanModel.save_pretrained``
+  writes it (``dim``, ``ffn_dim``, ``num_heads``, ``num_layers``, ``in_dim``, ...) and
+  ``diffusion_pytorch_model.safetensors``, or shards named by
+  ``diffusion_pytorch_model.safetensors.index.json``. Wan leaves ``text_dim``, ``patch_size``,
+  ``qk_norm`` and ``cross_attn_norm`` out of its config; they are read off the weights' shapes.
+- a diffusers folder (``config.json`` with ``_class_name: WanTransformer3DModel``), or a diffusers
+  pipeline folder holding it under ``transformer/``.
+
+Names inside videodit are Wan's original ones (``WanDiT.state_dict()``); :func:`to_diffusers` and
+:func:`from_diffusers` rename. Note the swap: Wan's ``norm3`` (the affine norm before
+cross-attention) is diffusers' ``norm2``; Wan's ``norm2`` and diffusers' ``norm3`` hold no weights.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from videodit.errors import UserError
+from videodit.models.wan.model import WanDiT, WanGeometry
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+INDEX_NAME = WEIGHTS_NAME + ".index.json"
+LAYOUTS = ("wan", "diffusers")
+DIFFUSERS_TEXT_LEN = 512   # diffusers' WanPipeline pads captions to 512 tokens; its config has no text_len
+
+# Wan name (module or parameter path) -> diffusers name; matched on whole dot-separated segments.
+_TOP = {
+    "patch_embedding": "patch_embedding",
+    "text_embedding.0": "condition_embedder.text_embedder.linear_1",
+    "text_embedding.2": "condition_embedder.text_embedder.linear_2",
+    "time_embedding.0": "condition_embedder.time_embedder.linear_1",
+    "time_embedding.2": "condition_embedder.time_embedder.linear_2",
+    "time_projection.1": "condition_embedder.time_proj",
+    "head.head": "proj_out",
+    "head.modulation": "scale_shift_table",
+}
+_BLOCK = {   # inside blocks.N
+    **{f"{wan}.{p}": f"{dif}.to_{p}" for wan, dif in (("self_attn", "attn1"), ("cross_attn", "attn2"))
+       for p in "qkv"},
+    **{f"{wan}.o": f"{dif}.to_out.0" for wan, dif in (("self_attn", "attn1"), ("cross_attn", "attn2"))},
+    **{f"{wan}.{n}": f"{dif}.{n}" for wan, dif in (("self_attn", "attn1"), ("cross_attn", "attn2"))
+       for n in ("norm_q", "norm_k")},
+    "norm3": "norm2",
+    "ffn.0": "ffn.net.0.proj",
+    "ffn.2": "ffn.net.2",
+    "modulation": "scale_shift_table",
+}
+
+
+def _rename(name: str, top: dict[str, str], block: dict[str, str]) -> str:
+    match = re.fullmatch(r"(blocks\.\d+\.)(.+)", name)
+    prefix, rest, table = (match[1], match[2], block) if match else ("", name, top)
+    for old, new in table.items():
+        if rest == old or rest.startswith(old + "."):
+            return prefix + new + rest[len(old):]
+    return name   # unknown names pass through, for the strict key check to name them
+
+
+def diffusers_name(name: str) -> str:
+    return _rename(name, _TOP, _BLOCK)
+
+
+def wan_name(name: str) -> str:
+    return _rename(name, {v: k for k, v in _TOP.items()}, {v: k for k, v in _BLOCK.items()})
+
+
+def to_diffusers(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {diffusers_name(k): v for k, v in state.items()}
+
+
+def from_diffusers(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {wan_name(k): v for k, v in state.items()}
+
+
+# ---------------------------------------------------------------------------- configs
+
+def _layout_of(config) -> str | None:
+    if not isinstance(config, dict):
+        return None
+    if config.get("_class_name") == "WanTransformer3DModel":
+        return "diffusers"
+    if config.get("_class_name") == "WanModel" or (
+            "_class_name" not in config and {"dim", "num_heads", "num_layers"} <= config.keys()):
+        return "wan"
+    return None
+
+
+def _require(config: dict, keys, file: Path) -> None:
+    missing = [k for k in keys if k not in config]
+    if missing:
+        raise UserError(f"{file} lacks {', '.join(missing)}; restore the config.json of the Wan download")
+
+
+def geometry_from_wan_config(config: dict, shapes: Mapping[str, tuple], file: Path) -> WanGeometry:
+    """Wan's WanModel config; what it leaves out (text_dim, patch_size, ...) from the weights."""
+    if config.get("model_type", "t2v") != "t2v":
+        raise UserError(f"{file} is a Wan {config['model_type']!r} model; videodit trains the text-to-video "
+                        "(t2v) Wan 2.1 DiT only")
+    _require(config, ("dim", "ffn_dim", "num_heads", "num_layers"), file)
+    text = shapes.get("text_embedding.0.weight")
+    patch = shapes.get("patch_embedding.weight")
+    return WanGeometry(
+        dim=config["dim"], ffn_dim=config["ffn_dim"], num_heads=config["num_heads"], num_layers=config["num_layers"],
+        in_channels=config.get("in_dim", 16), out_channels=config.get("out_dim", 16),
+        freq_dim=config.get("freq_dim", 256), text_len=config.get("text_len", 512), eps=config.get("eps", 1e-6),
+        text_dim=config.get("text_dim", text[1] if text else 4096),
+        patch_size=tuple(config.get("patch_size", patch[2:] if patch else (1, 2, 2))),
+        qk_norm=config.get("qk_norm", "blocks.0.self_attn.norm_q.weight" in shapes),
+        cross_attn_norm=config.get("cross_attn_norm", "blocks.0.norm3.weight" in shapes))
+
+
+def geometry_from_diffusers_config(config: dict, file: Path) -> WanGeometry:
+    for key in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len"):
+        if config.get(key) is not None:
+            raise UserError(f"{file} sets {key}: an image-conditioned Wan model; videodit trains the "
+                            "text-to-video (t2v) Wan 2.1 DiT only")
+    _require(config, ("num_attention_heads", "attention_head_dim", "ffn_dim", "num_layers"), file)
+    heads = config["num_attention_heads"]
+    return WanGeometry(
+        dim=heads * config["attention_head_dim"], ffn_dim=config["ffn_dim"], num_heads=heads,
+        num_layers=config["num_layers"], in_channels=config.get("in_channels", 16),
+        out_channels=config.get("out_channels") or config.get("in_channels", 16),
+        freq_dim=config.get("freq_dim", 256), text_dim=config.get("text_dim", 4096), text_len=DIFFUSERS_TEXT_LEN,
+        patch_size=tuple(config.get("patch_size", (1, 2, 2))),
+        qk_norm=True,   # diffusers' WanAttention always has norm_q/norm_k, whatever qk_norm says
+        cross_attn_norm=config.get("cross_attn_norm", True), eps=config.get("eps", 1e-6))
+
+
+def wan_config(g: WanGeometry) -> dict:
+    """config.json as WanModel.save_pretrained writes it. Wan leaves text_dim, patch_size, qk_norm and
+    cross_attn_norm out (its WanModel would warn about them and ignore them); the reader takes them
+    from the weights."""
+    return {"_class_name": "WanModel", "_diffusers_version": "0.30.0", "dim": g.dim, "eps": g.eps,
+            "ffn_dim": g.ffn_dim, "freq_dim": g.freq_dim, "in_dim": g.in_channels, "model_type": "t2v",
+            "num_heads": g.num_heads, "num_layers": g.num_layers, "out_dim": g.out_channels, "text_len": g.text_len}
+
+
+def diffusers_config(g: WanGeometry) -> dict:
+    return {"_class_name": "WanTransformer3DModel", "_diffusers_version": "0.33.0",
+            "patch_size": list(g.patch_size), "num_attention_heads": g.num_heads, "attention_head_dim": g.head_dim,
+            "in_channels": g.in_channels, "out_channels": g.out_channels, "text_dim": g.text_dim,
+            "freq_dim": g.freq_dim, "ffn_dim": g.ffn_dim, "num_layers": g.num_layers,
+            "cross_attn_norm": g.cross_attn_norm, "qk_norm": "rms_norm_across_heads", "eps": g.eps,
+            "image_dim": None, "added_kv_proj_dim": None, "rope_max_seq_len": 1024, "pos_embed_seq_len": None}
+
+
+# ---------------------------------------------------------------------------- reading
+
+class LazyTensors(Mapping):
+    """The tensors of safetensors files under Wan's names, read one at a time on access.
+
+    ``shape(name)`` reads only the header; ``tensors[name]`` reads that one tensor."""
+
+    def __init__(self, sources: dict[str, tuple[Path, str]]):
+        self.sources = sources   # Wan name -> (file, name in the file)
+        self._handles: dict[Path, object] = {}
+
+    def _handle(self, file: Path):
+        if file not in self._handles:
+            self._handles[file] = _open(file)
+        return self._handles[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        file, key = self.sources[name]
+        return tuple(self._handle(file).get_slice(key).get_shape())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        file, key = self.sources[name]
+        return self._handle(file).get_tensor(key)
+
+    def __iter__(self):
+        return iter(self.sources)
+
+    def __len__(self):
+        return len(self.sources)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise UserError(f"{file} cannot be read as safetensors ({first}); restore it from the original "
+                        "download") from None
+
+
+def _read_json(file: Path):
+    try:
+        return json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UserError(f"{file} is not valid JSON ({exc}); restore it from the original download") from None
+
+
+def _model_folder(path: Path) -> Path:
+    """The folder holding the DiT: ``path`` itself, or a diffusers pipeline's ``transformer/``."""
+    if not (path / CONFIG_NAME).is_file() and (path / "transformer" / CONFIG_NAME).is_file():
+        return path / "transformer"
+    if (path / "model_index.json").is_file() and (path / "transformer").is_dir():
+        return path / "transformer"
+    return path
+
+
+def is_wan_folder(path: str | Path) -> bool:
+    folder = _model_folder(Path(path))
+    config = folder / CONFIG_NAME
+    if not config.is_file():
+        return False
+    try:
+        return _layout_of(json.loads(config.read_text())) is not None
+    except (ValueError, UnicodeDecodeError, OSError):
+        return False
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    if (folder / INDEX_NAME).is_file():
+        weight_map = _read_json(folder / INDEX_NAME).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise UserError(f"{folder / INDEX_NAME} has no weight_map; restore it from the original download")
+        files = []
+        for name in sorted(set(weight_map.values())):
+            if Path(name).name != name or not (folder / name).is_file():
+                raise UserError(f"{folder / INDEX_NAME} names the shard {name!r}, which is not in {folder}; "
+                                "download every shard beside the index")
+            files.append(folder / name)
+        return files
+    if (folder / WEIGHTS_NAME).is_file():
+        return [folder / WEIGHTS_NAME]
+    pickled = sorted(p.name for p in folder.glob("*.pth")) + sorted(p.name for p in folder.glob("*.bin"))
+    hint = f" (videodit does not unpickle {', '.join(pickled)}: convert to safetensors)" if pickled else ""
+    raise UserError(f"{folder} holds no {WEIGHTS_NAME} nor {INDEX_NAME}{hint}; pass a Wan 2.1 DiT folder")
+
+
+def read_wan_folder(path: str | Path) -> tuple[WanGeometry, LazyTensors]:
+    """(geometry, the DiT's tensors under Wan's names, read lazily) of any layout above."""
+    path = Path(path)
+    folder = _model_folder(path)
+    config_file = folder / CONFIG_NAME
+    if not config_file.is_file():
+        raise UserError(f"{path} has no {CONFIG_NAME}; pass a Wan 2.1 folder (Wan's original download, a diffusers "
+                        "WanTransformer3DModel folder, or a diffusers Wan pipeline)")
+    config = _read_json(config_file)
+    layout = _layout_of(config)
+    if layout is None:
+        raise UserError(f"{config_file} is neither Wan's WanModel config nor diffusers' WanTransformer3DModel "
+                        "config; pass a Wan 2.1 folder")
+    rename = wan_name if layout == "diffusers" else (lambda name: name)
+    sources = {}
+    for file in _weight_files(folder):
+        for key in _open(file).keys():
+            sources[rename(key)] = (file, key)
+    tensors = LazyTensors(sources)
+    if layout == "wan":
+        shapes = {name: tensors.shape(name) for name in
+                  ("text_embedding.0.weight", "patch_embedding.weight") if name in tensors}
+        shapes.update({name: () for name in tensors if name.startswith("blocks.0.")})
+        return geometry_from_wan_config(config, shapes, config_file), tensors
+    return geometry_from_diffusers_config(config, config_file), tensors
+
+
+def check_tensors(tensors, expected: Mapping[str, torch.Tensor], where: str) -> None:
+    """Strict: the same names as ``expected`` and the same shapes, or one line naming the first tensor."""
+    missing = [name for name in expected if name not in tensors]
+    unexpected = [name for name in tensors if name not in expected]
+    more = lambda names: f" (and {len(names) - 1} more)" if len(names) > 1 else ""   # noqa: E731
+    if missing:
+        raise UserError(f"{where} lacks the tensor {missing[0]}{more(missing)}; the weights are incomplete or "
+                        "not a Wan 2.1 text-to-video DiT: download the folder again")
+    if unexpected:
+        raise UserError(f"{where} has the unexpected tensor {unexpected[0]}{more(unexpected)}; it is not a Wan 2.1 "
+                        "text-to-video DiT of this config (i2v/vace models add tensors): pass a t2v folder")
+    for name, ref in expected.items():
+        shape = tensors.shape(name) if isinstance(tensors, LazyTensors) else tuple(tensors[name].shape)
+        if tuple(shape) != tuple(ref.shape):
+            raise UserError(f"{where}: tensor {name} has shape {list(shape)} but the config gives "
+                            f"{list(ref.shape)}; config.json does not match the weights: fix or restore it")
+
+
+def load_wan(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> WanDiT:
+    """The WanDiT of a Wan folder (any layout above), built on the meta device and filled tensor by
+    tensor, so the weights are held once. ``dtype``: cast floating tensors (None: as stored)."""
+    geometry, tensors = read_wan_folder(path)
+    with torch.device("meta"):
+        model = WanDiT(geometry)
+    expected = model.state_dict()
+    check_tensors(tensors, expected, str(path))
+    loaded = {}
+    for name in expected:
+        tensor = tensors[name]
+        loaded[name] = tensor.to(device=device, dtype=dtype if dtype and tensor.is_floating_point() else None)
+        del tensor
+    tensors.close()
+    model.load_state_dict(loaded, strict=True, assign=True)
+    return model
+
+
+# ---------------------------------------------------------------------------- writing
+
+def write_wan_folder(state: Mapping[str, torch.Tensor], geometry: WanGeometry, out: str | Path,
+                     layout: str = "wan", max_shard_bytes: int = 10 * 10**9,
+                     dtype: torch.dtype | None = None) -> Path:
+    """Write ``state`` (Wan names, e.g. ``WanDiT.state_dict()``) as ``config.json`` + safetensors:
+    one ``diffusion_pytorch_model.safetensors``, or shards of at most ``max_shard_bytes`` and their
+    ``.index.json`` (a tensor larger than that gets a shard of its own)."""
+    if layout not in LAYOUTS:
+        raise UserError(f"layout={layout!r} is not a Wan layout; choose one of: {', '.join(LAYOUTS)}")
+    if layout == "diffusers" and (not geometry.qk_norm or geometry.text_len != DIFFUSERS_TEXT_LEN):
+        raise UserError("diffusers' WanTransformer3DModel always has q/k norms and its pipeline pads captions to "
+                        f"{DIFFUSERS_TEXT_LEN} tokens; this model (qk_norm={geometry.qk_norm}, "
+                        f"text_len={geometry.text_len}) can only be written with layout=wan")
+    with torch.device("meta"):
+        expected = WanDiT(geometry).state_dict()
+    check_tensors(state, expected, "the state to write")
+    names = list(expected)
+    rename = diffusers_name if layout == "diffusers" else (lambda name: name)
+    shards, size = [[]], 0
+    for name in names:
+        nbytes = state[name].numel() * (state[name].element_size() if dtype is None else dtype.itemsize)
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in (*out.glob("diffusion_pytorch_model*.safetensors"), out / INDEX_NAME):
+        stale.unlink(missing_ok=True)
+    config = wan_config(geometry) if layout == "wan" else diffusers_config(geometry)
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards, start=1):
+        file = WEIGHTS_NAME if len(shards) == 1 else f"diffusion_pytorch_model-{i:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name in shard:
+            tensor = state[name].detach()
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            tensors[rename(name)] = tensor.to("cpu").contiguous()
+            weight_map[rename(name)] = file
+            total += tensors[rename(name)].numel() * tensors[rename(name)].element_size()
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        del tensors
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return out

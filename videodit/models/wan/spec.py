@@ -1,0 +1,149 @@
+"""Wan 2.1 behind the model-family seam (``models/spec.py``).
+
+What differs from STDiT, as the rest of the system sees it: full 3D self-attention over every
+video token (sequence parallelism is Ulysses / ring over the token sequence, not STDiT's
+frame/position swap), q/k RMSNorm over all heads (tensor parallelism shards those norms with
+the columns), text that enters only through cross-attention with no mask (a dropped caption
+is an all-zero context, as an empty caption is after Wan's zero padding), and no frame masks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import torch
+from torch import nn
+
+from videodit.errors import UserError
+from videodit.models.flop_count import FlopCount
+from videodit.models.spec import ActivationDims, Conditions, ModelSpec, TensorParallelPlan
+from videodit.models.wan import flops, layouts
+from videodit.models.wan.model import WanDiT, WanGeometry, unpatchify
+from videodit.models.wan.stage import WanStage, stage_io
+
+MODEL_TYPE = "videodit-wan"
+
+
+def _block_plan(block: nn.Module) -> dict:
+    """Megatron pairs: q, k, v column-wise (heads split over ranks), o row-wise, in both
+    attentions; the FFN's first linear column-wise, its second row-wise."""
+    def attention(prefix: str, inputs: tuple) -> dict:
+        return {prefix: ("inputs", inputs), f"{prefix}.q": "colwise", f"{prefix}.k": "colwise",
+                f"{prefix}.v": "colwise", f"{prefix}.o": "rowwise"}
+    return {**attention("self_attn", ("replicate",)),            # rope comes as a keyword, whole
+            **attention("cross_attn", ("replicate", "replicate")),   # video tokens, text tokens
+            "ffn": ("inputs", ("replicate",)), "ffn.0": "colwise", "ffn.2": "rowwise"}
+
+
+class WanSpec(ModelSpec):
+    family = "wan"
+    model_type = MODEL_TYPE
+    geometry_type = WanGeometry
+    sequence_parallel = "full_attention"
+    released_encoders = (16, 4096, 512)   # Wan 2.1's VAE, umT5-XXL at 512 tokens
+    lora_targets = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "ffn.0", "ffn.2")
+    released_name = "Wan 2.1 (Wan's or diffusers' folder)"
+    released_format = "wan2.1"
+    released_short = "Wan"
+    released_fix = "use a Wan preset of the same size (model.preset=wan2.1-t2v-1.3b or wan2.1-t2v-14b)"
+    export_formats = layouts.LAYOUTS   # ("wan", "diffusers")
+    # Where a block's inputs are indexed by token: x [B, L, D] on dim 1, rope [L, ...] on dim 0.
+    sequence_args = {0: 1, 3: 0}
+
+    # ------------------------------------------------------------------ build
+
+    def geometry(self, m, latent_channels: int, caption_channels: int, caption_length: int) -> WanGeometry:
+        return WanGeometry(dim=m.hidden_size, ffn_dim=m.ffn_dim, num_heads=m.num_heads, num_layers=m.depth,
+                           in_channels=latent_channels, out_channels=latent_channels, text_dim=caption_channels,
+                           text_len=caption_length, patch_size=tuple(m.patch_size), qk_norm=m.qk_norm)
+
+    def build(self, geometry: WanGeometry) -> WanDiT:
+        return WanDiT(geometry)
+
+    def geometry_config(self, geometry: WanGeometry) -> dict:
+        return {"model_type": MODEL_TYPE, **dataclasses.asdict(geometry)}
+
+    def geometry_from_config(self, config: dict) -> WanGeometry:
+        fields = {f.name for f in dataclasses.fields(WanGeometry)}
+        try:
+            return WanGeometry(**{k: v for k, v in config.items() if k in fields})
+        except TypeError as exc:
+            raise UserError(f"config.json is not a videodit Wan config ({exc}); write it with videodit ckpt export") \
+                from None
+
+    def latent_channels(self, tensors) -> int:
+        return tensors["patch_embedding.weight"].shape[1]
+
+    def caption_channels(self, tensors) -> int:
+        return tensors["text_embedding.0.weight"].shape[1]
+
+    # ------------------------------------------------------------------ released weights
+
+    def released_layout(self, path) -> bool:
+        return layouts.is_wan_folder(path)
+
+    def read_released(self, path, ema: bool = False):
+        geometry, tensors = layouts.read_wan_folder(path)
+        return geometry, dict(tensors.items())
+
+    def export_released(self, fmt: str, geometry: WanGeometry, tensors):
+        if fmt == "diffusers":
+            return layouts.to_diffusers(tensors), {"config.json": json.dumps(layouts.diffusers_config(geometry),
+                                                                             indent=2) + "\n"}, layouts.WEIGHTS_NAME
+        return dict(tensors), {"config.json": json.dumps(layouts.wan_config(geometry), indent=2) + "\n"}, \
+            layouts.WEIGHTS_NAME
+
+    # ------------------------------------------------------------------ objective
+
+    def model_inputs(self, x_t, t, cond: Conditions) -> tuple:
+        """(x_t, t, context): a dropped caption is an all-zero context, which is what Wan's model
+        sees for an empty caption after its zero padding (every pad is text_embedding(0))."""
+        y = cond.y if cond.drop is None else torch.where(cond.drop[:, None, None], torch.zeros_like(cond.y), cond.y)
+        return (x_t, t, y)
+
+    def unconditional(self, cond: Conditions, negative=None) -> Conditions:
+        """Wan samples its unconditional branch on a negative prompt (its default one unless set);
+        without one, the dropped-caption context of training."""
+        if negative is None:
+            return dataclasses.replace(cond, drop=torch.ones_like(cond.drop))
+        y, y_mask = negative
+        n = cond.y.shape[0]
+        return dataclasses.replace(cond, y=y.expand(n, *y.shape[1:]), y_mask=y_mask.expand(n, -1),
+                                   drop=torch.zeros_like(cond.drop))
+
+    # ------------------------------------------------------------------ blocks, parallelism
+
+    def pipeline_stage(self, model, block_ids, *, first: bool, last: bool) -> nn.Module:
+        return WanStage(model, block_ids, first=first, last=last)
+
+    def stage_io(self, module, inputs, microbatches: int) -> dict:
+        return stage_io(module, inputs, microbatches)
+
+    def stage_latents(self, output, latent_shape, geometry):
+        return unpatchify(output, latent_shape, geometry)
+
+    def tensor_parallel_plan(self) -> TensorParallelPlan:
+        # The text embedding is a column/row pair; the time MLPs and the head run in fp32 on
+        # whole weights (they are small), so they stay replicated.
+        return TensorParallelPlan(block=_block_plan,
+                                  root={"text_embedding.0": "colwise", "text_embedding.2": "rowwise"},
+                                  sharded_norms=("norm_q", "norm_k"))
+
+    def check_parallel(self, geometry: WanGeometry, *, tp: int, sp: int, ring: int) -> None:
+        heads = geometry.num_heads
+        if heads % tp:
+            raise UserError(f"parallel.tp={tp} must divide Wan's {heads} attention heads; choose a divisor of {heads}")
+        ulysses = sp // ring
+        if (heads // tp) % ulysses:
+            raise UserError(f"Ulysses sequence parallelism of degree parallel.sp/parallel.sp_ring={ulysses} must "
+                            f"divide the {heads // tp} heads per tensor-parallel rank; raise parallel.sp_ring "
+                            f"(ring attention takes any size) or choose another parallel.sp")
+
+    # ------------------------------------------------------------------ FLOPs, memory
+
+    def forward_flops(self, geometry, frames: int, positions: int, caption_tokens: int) -> FlopCount:
+        return flops.grid_flops(geometry, frames * positions)
+
+    def activation_dims(self, geometry: WanGeometry) -> ActivationDims:
+        return ActivationDims(geometry.dim, geometry.num_heads, geometry.ffn_dim, geometry.text_dim)
