@@ -3,7 +3,7 @@
 Every adapter implements the small interface of ``models/vae_base.py`` (``FrozenVAE``), so the
 trainer and the sampler never look at diffusers' many output types. ``build_vae`` is the one
 factory for every kind: identity, diffusers (this file) and opensora-v1.2
-(``models/opensora_vae.py``). Nothing is ever downloaded: diffusers models load with
+(``models/stdit/opensora_vae.py``). Nothing is ever downloaded: diffusers models load with
 ``local_files_only=True``.
 """
 
@@ -17,10 +17,10 @@ import torch
 from torch import Tensor, nn
 
 from videodit.errors import UserError
-from videodit.models.opensora_vae import load_opensora_vae
+from videodit.models.stdit.opensora_vae import load_opensora_vae
 from videodit.models.vae_base import FrozenVAE
 
-VAE_KINDS = ("identity", "diffusers", "opensora-v1.2")
+VAE_KINDS = ("identity", "diffusers", "opensora-v1.2", "wan2.1")
 
 # diffusers autoencoders that take one image [N,C,H,W]; videos are folded into frames.
 _IMAGE_VAE_CLASSES = (
@@ -477,6 +477,9 @@ def build_vae(
                             "normalised by the checkpoint's shift and scale); remove it")
         return load_opensora_vae(path, subfolder, micro_batch=micro_batch,
                                  temporal_micro_batch=temporal_micro_batch, dtype=dtype)
+    if kind == "wan2.1":
+        from videodit.models.wan.vae import build_wan_vae  # lazy: imports the Wan package only when asked
+        return build_wan_vae(path, subfolder, scaling_factor=scaling_factor, micro_batch=micro_batch, dtype=dtype)
     if kind != "diffusers":
         raise UserError(f"vae.kind={kind!r} is not supported; choose one of: {', '.join(VAE_KINDS)}")
 
