@@ -8,23 +8,26 @@ import torch
 from videodit.config import Config
 from videodit.errors import UserError
 from videodit.models.families import get_spec
-from videodit.models.text import load_text_encoder
+from videodit.models.text import load_text_encoder, load_umt5_encoder
 from videodit.models.vae import build_vae
 from videodit.toy.encoder import TOY_MAX_LENGTH, ToyTextEncoder
 
-TEXT_KINDS = ("toy", "transformers")
+TEXT_KINDS = ("toy", "transformers", "umt5")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}   # vae.dtype, text.dtype
 
 
 def build_text_encoder(kind: str, path: str | None = None, max_length: int | None = None, dim: int = 64,
                        dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A frozen text encoder: ``toy`` (weight-free, ``dim`` wide; ``path`` ignored) or
-    ``transformers`` (the local folder ``path``; ``dim`` comes from its config).
-    ``max_length=None`` means 8 tokens for the toy encoder and 120 for transformers models."""
+    """A frozen text encoder: ``toy`` (weight-free, ``dim`` wide; ``path`` ignored),
+    ``transformers`` (the local folder ``path``; ``dim`` comes from its config) or ``umt5`` (Wan's
+    umT5-XXL, run with its mask and zero-padded as Wan does). ``max_length=None`` means 8 tokens
+    for the toy encoder and 120 for transformers models."""
     if kind == "toy":
         return ToyTextEncoder(dim=dim, max_length=max_length or TOY_MAX_LENGTH)
     if kind == "transformers":
         return load_text_encoder(path, max_length=max_length, dtype=dtype)
+    if kind == "umt5":
+        return load_umt5_encoder(path, max_length=max_length, dtype=dtype)
     raise UserError(f"text.kind={kind!r} is not supported; choose one of: {', '.join(TEXT_KINDS)}")
 
 

@@ -4,7 +4,10 @@ import pytest
 
 from videodit.config import load_config
 from videodit.errors import UserError
+from videodit.models.families import get_spec
 from videodit.parallel.dims import ParallelDims
+
+STDIT = get_spec("stdit")
 
 
 def dims(world, *overrides):
@@ -42,18 +45,18 @@ def test_sizes_that_do_not_multiply_to_the_world_are_refused():
 def test_sizes_that_do_not_fit_the_model_name_the_valid_ones():
     d = dims(3, "parallel.sp=3")
     with pytest.raises(UserError, match=r"parallel.sp=3 does not divide model.num_heads=16; valid: 1, 2, 4, 8, 16"):
-        d.check_model(num_heads=16, hidden_size=1152, depth=28)
+        d.check_model(num_heads=16, hidden_size=1152, depth=28, spec=STDIT)
     with pytest.raises(UserError, match=r"parallel.tp=5 does not divide .*valid: 1, 2, 3, 6"):
-        dims(5, "parallel.tp=5").check_model(num_heads=6, hidden_size=384, depth=12)
+        dims(5, "parallel.tp=5").check_model(num_heads=6, hidden_size=384, depth=12, spec=STDIT)
     with pytest.raises(UserError, match="pp=64 exceeds the model's 56 blocks"):
-        dims(64, "parallel.pp=64").check_model(num_heads=16, hidden_size=1152, depth=28)
-    dims(4, "parallel.sp=4").check_model(num_heads=16, hidden_size=1152, depth=28)
+        dims(64, "parallel.pp=64").check_model(num_heads=16, hidden_size=1152, depth=28, spec=STDIT)
+    dims(4, "parallel.sp=4").check_model(num_heads=16, hidden_size=1152, depth=28, spec=STDIT)
 
 
 def test_tensor_and_sequence_parallel_must_split_the_heads_together():
-    dims(4, "parallel.tp=2", "parallel.sp=2").check_model(num_heads=4, hidden_size=128, depth=4)
+    dims(4, "parallel.tp=2", "parallel.sp=2").check_model(num_heads=4, hidden_size=128, depth=4, spec=STDIT)
     with pytest.raises(UserError, match=r"sp=2 x parallel.tp=2 does not divide model.num_heads=6.*valid sp: 1, 3"):
-        dims(4, "parallel.tp=2", "parallel.sp=2").check_model(num_heads=6, hidden_size=384, depth=4)
+        dims(4, "parallel.tp=2", "parallel.sp=2").check_model(num_heads=6, hidden_size=384, depth=4, spec=STDIT)
 
 
 def test_tensor_and_pipeline_parallel_replace_ddp_by_fsdp():

@@ -152,10 +152,11 @@ class ToyConfig:
 
 @dataclass
 class VAEConfig:
-    kind: str = opt("identity", "identity (pixels as latents), diffusers (local folder) or opensora-v1.2 "
-                    "(Open-Sora 1.2's VAE folder, hpcai-tech/OpenSora-VAE-v1.2)",
-                    choices=("identity", "diffusers", "opensora-v1.2"))
-    path: Optional[str] = opt(None, "local autoencoder folder (vae.kind=diffusers or opensora-v1.2)")
+    kind: str = opt("identity", "identity (pixels as latents), diffusers (local folder), opensora-v1.2 "
+                    "(Open-Sora 1.2's VAE folder, hpcai-tech/OpenSora-VAE-v1.2) or wan2.1 (Wan 2.1's VAE: a "
+                    "diffusers vae/ folder or Wan2.1_VAE.pth, per-channel normalised)",
+                    choices=("identity", "diffusers", "opensora-v1.2", "wan2.1"))
+    path: Optional[str] = opt(None, "local autoencoder folder or file (vae.kind=diffusers, opensora-v1.2, wan2.1)")
     subfolder: Optional[str] = opt(None, "subfolder of vae.path holding the autoencoder")
     scaling_factor: Optional[float] = opt(None, "latent scale (default: the model's own config; not for "
                                           "opensora-v1.2, which uses its checkpoint's shift and scale)")
@@ -170,9 +171,10 @@ class VAEConfig:
 
 @dataclass
 class TextConfig:
-    kind: str = opt("toy", "toy (built-in toy vocabulary) or transformers (local folder)",
-                    choices=("toy", "transformers"))
-    path: Optional[str] = opt(None, "local transformers encoder folder (text.kind=transformers)")
+    kind: str = opt("toy", "toy (built-in toy vocabulary), transformers (local folder) or umt5 (Wan's umT5-XXL: "
+                    "text_encoder/ + tokenizer/ of a diffusers Wan folder; run with its mask, zero-padded)",
+                    choices=("toy", "transformers", "umt5"))
+    path: Optional[str] = opt(None, "local transformers encoder folder (text.kind=transformers or umt5)")
     max_length: int = opt(8, "caption tokens (padded / truncated)", min=1)
     dim: int = opt(64, "embedding width of the toy encoder", min=1)
     dtype: str = opt("fp32", "weights and compute of a transformers encoder: bf16 halves T5-XXL (9.5 GB instead "
@@ -263,6 +265,8 @@ class ParallelConfig:
     dp_replicate: int = opt(1, "data-parallel replicas: DDP, or the replicate axis of HSDP", min=1)
     dp_shard: int = opt(-1, "FSDP2 shard group size (-1 = every rank left over, 1 = no sharding)", min=-1)
     sp: int = opt(1, "sequence-parallel group size (Open-Sora: sp_size)", min=1)
+    sp_ring: int = opt(1, "full-attention families (Wan): ring-attention degree within parallel.sp; the rest is "
+                       "Ulysses (heads): sp = ulysses x sp_ring (1: Ulysses only; sp: ring only)", min=1)
     tp: int = opt(1, "tensor-parallel group size (Open-Sora: tp_size)", min=1)
     pp: int = opt(1, "pipeline-parallel stages (Open-Sora: pp_size)", min=1)
     pp_schedule: str = opt("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved_1f1b"))

@@ -82,6 +82,7 @@ class ModelSpec:
     model_type: str                   # config.json "model_type" of videodit's model folders
     geometry_type: type               # the frozen dataclass of the model's arguments
     sequence_parallel: str            # "stdit_frames" or "full_attention" (parallel/ maps it)
+    sequence_args: dict = {}          # full_attention: block arg -> token dim, or (dim, ndim) when per token
     lora_targets: tuple[str, ...]     # default lora.targets (paths inside every block)
     released_encoders: tuple[int, int, int]   # (latent channels, caption channels, caption tokens) of its releases
 
@@ -168,8 +169,14 @@ class ModelSpec:
     def tensor_parallel_plan(self) -> TensorParallelPlan:
         raise NotImplementedError
 
-    def check_parallel(self, geometry, *, tp: int, sp: int, ring: int) -> None:
-        """Raise a one-line UserError when the parallel sizes do not fit the model."""
+    def num_blocks(self, depth: int) -> int:
+        """How many repeated blocks ``model.depth`` gives."""
+        return depth
+
+    def check_sequence_parallel(self, num_heads: int, *, tp: int, sp: int, ring: int) -> None:
+        """Raise a one-line UserError when ``parallel.sp`` (``ring`` of it ring attention) does not
+        fit a model of ``num_heads`` heads split ``tp`` ways."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ FLOPs and memory
 

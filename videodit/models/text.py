@@ -15,31 +15,9 @@ import torch
 from torch import Tensor, nn
 
 from videodit.errors import UserError
+from videodit.models.text_base import FrozenTextEncoder, as_caption_list
 
 HF_MAX_LENGTH = 120   # caption tokens when text.max_length is not given
-
-
-class FrozenTextEncoder(nn.Module):
-    """Shared freezing behaviour for text encoder adapters."""
-
-    dim: int
-    max_length: int
-
-    def _freeze(self) -> None:
-        self.requires_grad_(False)
-        self.eval()
-
-    def train(self, mode: bool = True) -> "FrozenTextEncoder":
-        # A parent model calling .train() must not re-enable dropout in the frozen encoder.
-        return super().train(False)
-
-    def encode(self, captions: list[str]) -> tuple[Tensor, Tensor]:  # pragma: no cover
-        raise NotImplementedError
-
-
-def as_caption_list(captions: list[str] | str) -> list[str]:
-    # A bare string would otherwise be iterated character by character.
-    return [captions] if isinstance(captions, str) else list(captions)
 
 
 # --------------------------------------------------------------------------- transformers
@@ -161,3 +139,9 @@ def load_text_encoder(path: str | None, max_length: int | None = None,
     """A frozen :class:`HFTextEncoder` from the local transformers folder ``path``
     (``max_length=None``: 120 tokens)."""
     return HFTextEncoder(_check_model_folder(path), max_length=max_length or HF_MAX_LENGTH, dtype=dtype)
+
+
+def load_umt5_encoder(path: str | None, max_length: int | None = None, dtype: torch.dtype = torch.float32):
+    """Wan's umT5-XXL (``models/wan/text.py``), 512 tokens unless ``max_length`` says otherwise."""
+    from videodit.models.wan.text import load_umt5   # lazy: the Wan package only when asked
+    return load_umt5(path, max_length=max_length or 512, dtype=dtype)

@@ -70,23 +70,17 @@ class ParallelDims:
 
     # ------------------------------------------------------------------ checks against the model
 
-    def check_model(self, *, num_heads: int, hidden_size: int, depth: int) -> None:
-        """Raise a UserError if a size cannot split this model."""
-        if num_heads % self.sp:
-            # Images and frame counts that do not split fall back to head-parallel attention.
-            raise UserError(f"parallel.sp={self.sp} does not divide model.num_heads={num_heads}; valid: "
-                            f"{_listing(divisors(num_heads))}")
+    def check_model(self, *, num_heads: int, hidden_size: int, depth: int, spec, sp_ring: int = 1) -> None:
+        """Raise a UserError if a size cannot split this model (``spec``: its family, which knows
+        how many blocks ``depth`` means and what its sequence parallelism needs)."""
         if num_heads % self.tp or hidden_size % self.tp:
             valid = [d for d in divisors(num_heads) if hidden_size % d == 0]
             raise UserError(f"parallel.tp={self.tp} does not divide model.num_heads={num_heads} and "
                             f"model.hidden_size={hidden_size}; valid: {_listing(valid)}")
-        if num_heads % (self.sp * self.tp):
-            # Each TP rank holds heads/tp heads; head-parallel SP attention splits those again.
-            raise UserError(f"parallel.sp={self.sp} x parallel.tp={self.tp} does not divide model.num_heads="
-                            f"{num_heads}: with tp={self.tp} each rank has {num_heads // self.tp} heads; "
-                            f"valid sp: {_listing(divisors(num_heads // self.tp))}")
-        if self.pp > 2 * depth:
-            raise UserError(f"parallel.pp={self.pp} exceeds the model's {2 * depth} blocks; valid: 1 to {2 * depth}")
+        spec.check_sequence_parallel(num_heads, tp=self.tp, sp=self.sp, ring=sp_ring)
+        blocks = spec.num_blocks(depth)
+        if self.pp > blocks:
+            raise UserError(f"parallel.pp={self.pp} exceeds the model's {blocks} blocks; valid: 1 to {blocks}")
 
     def check_pipeline(self, cfg: ParallelConfig, *, depth: int) -> tuple[int, int]:
         """Check the pipeline options; return (stages per rank, micro-batches per step)."""

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from videodit.config import Config
 from videodit.errors import UserError
+from videodit.models.families import get_spec
 from videodit.parallel.dims import ParallelDims
 
 
@@ -149,7 +150,8 @@ def init_distributed(cfg: Config) -> DistContext:
     world = launched_world_size()
     dims = ParallelDims.from_config(cfg.parallel, world)
     m = cfg.model
-    dims.check_model(num_heads=m.num_heads, hidden_size=m.hidden_size, depth=m.depth)
+    dims.check_model(num_heads=m.num_heads, hidden_size=m.hidden_size, depth=m.depth, spec=get_spec(m.family),
+                     sp_ring=cfg.parallel.sp_ring)
     per_rank, microbatches = dims.check_pipeline(cfg.parallel, depth=m.depth)
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(cfg.train.device, local_rank)

@@ -25,6 +25,7 @@ from videodit.config import MemoryConfig, ParallelConfig
 from videodit.parallel.activation_checkpoint import apply_activation_checkpointing
 from videodit.parallel.compile import CompileOptions, CompileStats, apply_compile
 from videodit.parallel.distributed import DistContext
+from videodit.parallel.full_attention import apply_full_attention_sp
 from videodit.models.flops import block_costs
 from videodit.models.families import spec_of
 from videodit.parallel.gradients import clip_gradients, gradient_sync, sum_partial_gradients
@@ -151,7 +152,7 @@ def parallelize(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *, memo
         stages = [pipeline.stages[s] for s in sorted(pipeline.stages)]
     partial = apply_tensor_parallel(model, ctx.meshes["tp"]) if dims.tp > 1 else []
     if dims.sp > 1:
-        apply_sequence_parallel(model, ctx.group("sp"))
+        apply_family_sequence_parallel(model, ctx, cfg)
     chosen = apply_activation_checkpointing(model, memory)
     stats = None
     if compile is not None:   # torchtitan's place: after TP, SP and checkpointing, before FSDP
@@ -164,6 +165,18 @@ def parallelize(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *, memo
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         module = DistributedDataParallel(model, process_group=ctx.group("dp_sp"), device_ids=device_ids)
     return ParallelModel(model, module, loss_fn, ctx, pipeline, autocast_dtype, partial, stats)
+
+
+def apply_family_sequence_parallel(model: nn.Module, ctx: DistContext, cfg: ParallelConfig) -> None:
+    """The family's sequence parallelism: STDiT's frame/position swap (``sequence.py``), or for
+    full 3D attention Ulysses x ring over the token sequence (``full_attention.py``), slicing the
+    block inputs the family names (``ModelSpec.sequence_args``)."""
+    spec = spec_of(model)
+    if spec.sequence_parallel == "stdit_frames":
+        apply_sequence_parallel(model, ctx.group("sp"))
+    else:
+        apply_full_attention_sp(model.blocks, ctx.meshes["sp"], ring_degree=cfg.sp_ring,
+                                sequence_args=spec.sequence_args)
 
 
 def apply_memory_levers(model: nn.Module, cfg: MemoryConfig) -> list[int]:

@@ -1,7 +1,9 @@
 """Tiny, randomly initialised stand-ins for a diffusers AutoencoderKL and a T5 text encoder
 (with a word tokenizer over the toy vocabulary), saved as local folders. They let the
 ``vae.kind=diffusers`` and ``text.kind=transformers`` paths, and the feature cache built on
-them, run offline: in the tests, the benchmarks, or for a user without the real weights."""
+them, run offline: in the tests, the benchmarks, or for a user without the real weights. The Wan
+2.1 ones (an AutoencoderKLWan, a umT5 encoder in diffusers' text_encoder/ + tokenizer/ layout) do
+the same for ``vae.kind=wan2.1`` and the umT5 encoder."""
 
 from __future__ import annotations
 
@@ -55,4 +57,35 @@ def save_kl_vae(folder: Path, *, block_out_channels: tuple[int, ...] = (8, 16), 
                   up_block_types=("UpDecoderBlock2D",) * blocks, layers_per_block=layers_per_block,
                   latent_channels=latent_channels, norm_num_groups=norm_num_groups, scaling_factor=scaling_factor,
                   shift_factor=shift_factor).save_pretrained(folder)
+    return Path(folder)
+
+
+def save_wan_vae(folder: Path, *, base_dim: int = 4, z_dim: int = 4, dim_mult: tuple[int, ...] = (1, 2, 2),
+                 num_res_blocks: int = 1, temperal_downsample: tuple[bool, ...] = (False, True),
+                 latents_mean: tuple[float, ...] | None = None, latents_std: tuple[float, ...] | None = None,
+                 seed: int = 0) -> Path:
+    """A Wan 2.1-style AutoencoderKLWan in ``folder``: spatial compression ``2 ** len(temperal_downsample)``,
+    temporal ``2 ** sum(temperal_downsample)``; latent statistics default to 0.1*i / 1 + 0.25*i."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(seed)
+    AutoencoderKLWan(base_dim=base_dim, z_dim=z_dim, dim_mult=list(dim_mult), num_res_blocks=num_res_blocks,
+                     temperal_downsample=list(temperal_downsample),
+                     latents_mean=list(latents_mean or [0.1 * i for i in range(z_dim)]),
+                     latents_std=list(latents_std or [1 + 0.25 * i for i in range(z_dim)])).save_pretrained(folder)
+    return Path(folder)
+
+
+def save_umt5(folder: Path, *, d_model: int = 16, d_ff: int = 32, d_kv: int = 8, num_layers: int = 2,
+              num_heads: int = 2, words: tuple[str, ...] | list[str] = TOY_WORDS, seed: int = 0) -> Path:
+    """A umT5 encoder in ``folder/text_encoder`` and its word tokenizer in ``folder/tokenizer``
+    (diffusers' Wan pipeline layout)."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(seed)
+    config = UMT5Config(vocab_size=len(words), d_model=d_model, d_ff=d_ff, d_kv=d_kv, num_layers=num_layers,
+                        num_heads=num_heads, relative_attention_num_buckets=8, relative_attention_max_distance=32,
+                        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    UMT5EncoderModel(config).save_pretrained(Path(folder) / "text_encoder")
+    save_word_tokenizer(Path(folder) / "tokenizer", words)
     return Path(folder)

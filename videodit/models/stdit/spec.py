@@ -8,6 +8,7 @@ import json
 import torch
 from torch import nn
 
+from videodit.errors import UserError
 from videodit.models.flop_count import FlopCount
 from videodit.models.spec import ActivationDims, Conditions, ModelSpec, TensorParallelPlan
 from videodit.models.stdit import flops, stage
@@ -29,6 +30,14 @@ def _block_plan(block: nn.Module) -> dict:
     return {**_attention_plan("attn", self_inputs),
             **_attention_plan("cross_attn", ("replicate", "replicate", None)),   # x, caption, caption mask
             "mlp": ("inputs", ("replicate",)), "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _listing(values: list[int]) -> str:
+    return ", ".join(map(str, values)) if values else "none"
 
 
 class StditSpec(ModelSpec):
@@ -121,6 +130,23 @@ class StditSpec(ModelSpec):
                                   root={"caption_embedder.proj.fc1": "colwise", "caption_embedder.proj.fc2": "rowwise",
                                         "t_block.1": "colwise_gathered"},
                                   partial=("q_norm", "k_norm"))
+
+    def num_blocks(self, depth: int) -> int:
+        return 2 * depth   # depth counts spatial + temporal pairs, as STDiT3 does
+
+    def check_sequence_parallel(self, num_heads: int, *, tp: int, sp: int, ring: int) -> None:
+        if ring != 1:
+            raise UserError(f"parallel.sp_ring={ring}: STDiT's sequence parallelism splits frames and positions, "
+                            "it has no ring attention; set parallel.sp_ring=1")
+        if num_heads % sp:
+            # Images and frame counts that do not split fall back to head-parallel attention.
+            raise UserError(f"parallel.sp={sp} does not divide model.num_heads={num_heads}; valid: "
+                            f"{_listing(_divisors(num_heads))}")
+        if num_heads % (sp * tp):
+            # Each TP rank holds heads/tp heads; head-parallel SP attention splits those again.
+            raise UserError(f"parallel.sp={sp} x parallel.tp={tp} does not divide model.num_heads={num_heads}: "
+                            f"with tp={tp} each rank has {num_heads // tp} heads; valid sp: "
+                            f"{_listing(_divisors(num_heads // tp))}")
 
     # ------------------------------------------------------------------ FLOPs, memory
 

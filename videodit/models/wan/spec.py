@@ -48,8 +48,9 @@ class WanSpec(ModelSpec):
     released_short = "Wan"
     released_fix = "use a Wan preset of the same size (model.preset=wan2.1-t2v-1.3b or wan2.1-t2v-14b)"
     export_formats = layouts.LAYOUTS   # ("wan", "diffusers")
-    # Where a block's inputs are indexed by token: x [B, L, D] on dim 1, rope [L, ...] on dim 0.
-    sequence_args = {0: 1, 3: 0}
+    # Where a block's inputs are indexed by token, for sequence parallelism: x [B, L, D] on dim 1,
+    # e0 on dim 1 when it is per token ([B, L, 6, D], 4 dims; [B, 6, D] stays whole), rope on dim 0.
+    sequence_args = {0: 1, 1: (1, 4), 3: 0}
 
     # ------------------------------------------------------------------ build
 
@@ -130,15 +131,16 @@ class WanSpec(ModelSpec):
                                   root={"text_embedding.0": "colwise", "text_embedding.2": "rowwise"},
                                   sharded_norms=("norm_q", "norm_k"))
 
-    def check_parallel(self, geometry: WanGeometry, *, tp: int, sp: int, ring: int) -> None:
-        heads = geometry.num_heads
-        if heads % tp:
-            raise UserError(f"parallel.tp={tp} must divide Wan's {heads} attention heads; choose a divisor of {heads}")
-        ulysses = sp // ring
-        if (heads // tp) % ulysses:
+    def check_sequence_parallel(self, num_heads: int, *, tp: int, sp: int, ring: int) -> None:
+        """Ulysses splits each TP rank's heads sp/ring ways; ring attention takes any size."""
+        if sp % ring:
+            raise UserError(f"parallel.sp_ring={ring} must divide parallel.sp={sp} (sp = Ulysses degree x ring "
+                            f"degree); choose a divisor of {sp}")
+        ulysses, heads = sp // ring, num_heads // tp
+        if heads % ulysses:
             raise UserError(f"Ulysses sequence parallelism of degree parallel.sp/parallel.sp_ring={ulysses} must "
-                            f"divide the {heads // tp} heads per tensor-parallel rank; raise parallel.sp_ring "
-                            f"(ring attention takes any size) or choose another parallel.sp")
+                            f"divide the {heads} heads per tensor-parallel rank; set parallel.sp_ring={sp} (ring "
+                            f"attention takes any size) or a parallel.sp whose Ulysses part divides {heads}")
 
     # ------------------------------------------------------------------ FLOPs, memory
 
