@@ -12,6 +12,7 @@ import torch
 
 from videodit.data.prompts import prepare_prompts
 from videodit.data.video import write_video
+from videodit.diffusion import flow_unipc
 from videodit.diffusion.rectified_flow import RectifiedFlow
 from videodit.errors import UserError
 from videodit.models.families import spec_of
@@ -21,15 +22,19 @@ from videodit.models.spec import Conditions
 @torch.no_grad()
 def generate(model, vae, text, flow: RectifiedFlow, prompts: list[str], *, num_frames: int,
              height: int, width: int, steps: int, guidance: float, fps: float, seed: int,
-             device: torch.device, batch_size: int = 16, reference: torch.Tensor | None = None) -> np.ndarray:
+             device: torch.device, batch_size: int = 16, reference: torch.Tensor | None = None,
+             sampler: str = "euler", negative_prompt: str | None = None) -> np.ndarray:
     """Sample one clip per prompt: uint8 [N, T, H, W, 3]. ``reference``: pixel frames
-    [3, T_ref, height, width] in [-1, 1] that open every clip (image-to-video, continuation)."""
+    [3, T_ref, height, width] in [-1, 1] that open every clip (image-to-video, continuation).
+    ``sampler``: euler or unipc (Wan's); ``negative_prompt``: CFG's unconditional branch for
+    families that sample with one (Wan)."""
     model.eval()
     clips = []
     generator = torch.Generator().manual_seed(seed)
     t_lat, h_lat, w_lat = vae.latent_size(num_frames, height, width)
     ratio = flow.shift_ratio(height, width, t_lat)
     given = None if reference is None else given_latents(model, vae, reference, t_lat, device)
+    negative = None if negative_prompt is None else text.encode([negative_prompt])
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
         n = len(chunk)
@@ -37,7 +42,7 @@ def generate(model, vae, text, flow: RectifiedFlow, prompts: list[str], *, num_f
         fps_t = torch.full((n,), float(fps), device=device)
         noise = torch.randn((n, vae.latent_channels, t_lat, h_lat, w_lat), generator=generator).to(device)
         latents = denoise(model, flow, noise, y, y_mask, steps=steps, guidance=guidance, ratio=ratio, fps=fps_t,
-                          height=height, width=width, given=given)
+                          height=height, width=width, given=given, sampler=sampler, negative=negative)
         video = vae.decode(latents, num_frames)                      # [N, 3, T, H, W] in [-1, 1]
         frames = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
         clips.append(frames.permute(0, 2, 3, 4, 1).cpu().numpy())
@@ -46,11 +51,11 @@ def generate(model, vae, text, flow: RectifiedFlow, prompts: list[str], *, num_f
 
 def denoise(model, flow: RectifiedFlow, noise: torch.Tensor, y: torch.Tensor, y_mask: torch.Tensor, *, steps: int,
             guidance: float, ratio: float = 1.0, fps: torch.Tensor | None = None, height=None,
-            width=None, given: "GivenFrames | None" = None,
+            width=None, given: "GivenFrames | None" = None, sampler: str = "euler",
             negative: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Latents from ``noise`` [N, C, T, H, W]: Euler steps with classifier-free guidance (the
-    unconditional branch is the family's: STDiT's learned null caption, or ``negative``, the
-    encoded negative prompt). ``height``/``width``: the clip's pixel size, which Open-Sora's
+    """Latents from ``noise`` [N, C, T, H, W]: Euler steps (``sampler="unipc"``: Wan's UniPC, with
+    ``ratio`` its shift) with classifier-free guidance (the unconditional branch is the family's:
+    STDiT's learned null caption, or ``negative``, the encoded negative prompt). ``height``/``width``: the clip's pixel size, which Open-Sora's
     position table needs. ``given``: conditioning frames, kept as given at every step and marked
     for the model by ``x_mask``."""
     spec = spec_of(model)
@@ -66,8 +71,9 @@ def denoise(model, flow: RectifiedFlow, noise: torch.Tensor, y: torch.Tensor, y_
             return flow.model_velocity(out.float(), x, t)
         return v
 
-    return flow.sample(velocity(cond), noise, steps, ratio, guidance, velocity(uncond),
-                       given=None if given is None else given.put_back)
+    solve = flow_unipc.sample if sampler == "unipc" else flow.sample
+    return solve(velocity(cond), noise, steps, ratio, guidance, velocity(uncond),
+                 given=None if given is None else given.put_back)
 
 
 @dataclass
@@ -183,4 +189,5 @@ class Pipeline:
         ref = None if reference is None else read_reference(
             reference, reference_frames or max(1, size["num_frames"] // 2), size["height"], size["width"])
         return generate(self.model, self.vae, self.text, self.flow, prompts, **size, steps=steps,
-                        guidance=guidance, fps=fps or sample.fps, seed=seed, device=self.device, reference=ref)
+                        guidance=guidance, fps=fps or sample.fps, seed=seed, device=self.device, reference=ref,
+                        sampler=sample.sampler, negative_prompt=sample.negative_prompt)

@@ -381,7 +381,7 @@ def test_umt5_bf16(umt5, umt5_dir):
 
 
 def test_umt5_bad_folders(tmp_path):
-    _one_line_error(lambda: load_umt5(None), r"^text\.path is required for text\.kind=wan2\.1")
+    _one_line_error(lambda: load_umt5(None), r"^text\.path is required for text\.kind=umt5")
     _one_line_error(lambda: load_umt5(str(tmp_path / "missing")), r"is not an existing folder")
     (tmp_path / "models_t5_umt5-xxl-enc-bf16.pth").write_bytes(b"")
     _one_line_error(lambda: load_umt5(str(tmp_path)), r"neither text_encoder/config\.json.*Wan's original layout")

@@ -103,6 +103,9 @@ class DiffusionConfig:
     shift_base_pixels: int = opt(512 * 512, "H*W (pixels) at which the spatial shift ratio is 1", min=1)
     shift_base_frames: int = opt(1, "latent frames at which the temporal shift ratio is 1", min=1)
     shift_scale: float = opt(1.0, "extra multiplier on the shift ratio", min=0.0)
+    constant_shift: Optional[float] = opt(None, "one timestep shift k for every clip (t' = k t / (1 + (k-1) t)), "
+                                          "as Wan trains and samples (5 for text-to-video); replaces the "
+                                          "resolution- and length-dependent one", min=0.0)
     prediction: str = opt("velocity", "what the model outputs: velocity (Open-Sora) or data (x0, turned "
                           "into a velocity; learns faster in pixel space)", choices=("velocity", "data"))
     loss_space: str = opt("velocity", "where the MSE is taken: velocity (Open-Sora) or data (the x0 error, "
@@ -318,7 +321,12 @@ class SampleConfig:
     num_frames: Optional[int] = opt(None, "frames of sampled clips (default: data.num_frames)", min=1)
     height: Optional[int] = opt(None, "height of sampled clips (default: data.height)", min=1)
     width: Optional[int] = opt(None, "width of sampled clips (default: data.width)", min=1)
-    steps: int = opt(30, "Euler steps", min=1)
+    steps: int = opt(30, "sampling steps", min=1)
+    sampler: str = opt("euler", "euler (Euler steps on the shifted grid) or unipc (Wan's flow-matching UniPC, "
+                       "order 2, on Wan's own sigma grid; with diffusion.constant_shift)", choices=("euler", "unipc"))
+    negative_prompt: Optional[str] = opt(None, "the unconditional branch of CFG for families that sample with one "
+                                         "(Wan; its recipes set Wan's default); null: the dropped-caption "
+                                         "condition of training")
     cfg: float = opt(4.0, "classifier-free guidance scale (1 = off)", min=0.0)
     fps: int = opt(8, "frames per second given to the model and written (match the training clips' "
                    "fps / data.frame_interval)", min=1)

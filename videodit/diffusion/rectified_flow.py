@@ -26,7 +26,10 @@ class RectifiedFlow:
         self.cfg = cfg
 
     def shift_ratio(self, height: int, width: int, latent_frames: int) -> float:
-        """sqrt(pixels / base pixels) * sqrt(latent frames / base frames) * scale."""
+        """sqrt(pixels / base pixels) * sqrt(latent frames / base frames) * scale, or
+        ``diffusion.constant_shift`` for every clip (Wan)."""
+        if self.cfg.constant_shift is not None:
+            return self.cfg.constant_shift
         if not self.cfg.shift:
             return 1.0
         space = (height * width / self.cfg.shift_base_pixels) ** 0.5

@@ -392,7 +392,8 @@ class Trainer:
                          num_frames=cfg.sample.num_frames or cfg.data.num_frames,
                          height=cfg.sample.height or cfg.data.height, width=cfg.sample.width or cfg.data.width,
                          steps=cfg.sample.steps, guidance=cfg.sample.cfg, fps=cfg.sample.fps,
-                         seed=cfg.train.seed, device=self.device)
+                         seed=cfg.train.seed, device=self.device, sampler=cfg.sample.sampler,
+                         negative_prompt=cfg.sample.negative_prompt)
         return write_clips(self.run_dir / "samples" / f"step-{self.step:07d}", cfg.sample.prompts, clips,
                            cfg.sample.fps)
 
