@@ -1,5 +1,5 @@
 """The FLOP model (``videodit/models/flops.py``) against ``torch.utils.flop_counter.FlopCounterMode``
-on forward + backward of real STDiT models.
+on forward + backward of real models of every family (STDiT within 3%, Wan exactly).
 
 What the counter sees, and why the runs are set up as they are:
 
@@ -26,8 +26,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from videodit.config import MODEL_PRESETS, MemoryConfig
 from videodit.models.flops import block_costs, forward_flops, step_costs, train_step_flops
 from videodit.models.stdit.flops import patch_grid
+from videodit.models.families import spec_of
 from videodit.models.layers import AttentionBackend
+from videodit.models.spec import Conditions
 from videodit.models.stdit.model import DiTGeometry, STDiT
+from videodit.models.wan.model import WanDiT, WanGeometry
 from videodit.parallel.activation_checkpoint import apply_activation_checkpointing
 
 TOLERANCE = 0.03
@@ -66,9 +69,40 @@ CASES = {
 }
 
 
-def inputs(g: DiTGeometry, batch: int, frames: int, height: int, width: int, device="cpu"):
+def wan_geometry(depth: int | None = None, **changes) -> WanGeometry:
+    """wan-tiny's width, heads, FFN and patch, with small encoders (text_dim, text_len)."""
+    p = MODEL_PRESETS["wan-tiny"]
+    values = dict(dim=p["hidden_size"], ffn_dim=p["ffn_dim"], num_heads=p["num_heads"], num_layers=depth or p["depth"],
+                  in_channels=4, out_channels=4, freq_dim=32, text_dim=48, text_len=12,
+                  patch_size=tuple(p["patch_size"]))
+    return WanGeometry(**{**values, **changes})
+
+
+# name: (geometry, (batch, latent frames, height, width), caption tokens given: Wan pads them to text_len)
+WAN_CASES = {
+    "wan-tiny video, short captions": (wan_geometry(), (2, 3, 8, 6), 7),
+    "wan-tiny image, full captions": (wan_geometry(), (1, 1, 8, 10), 12),
+    "wan, temporal patch 2, no qk norm": (wan_geometry(depth=1, dim=96, num_heads=6, ffn_dim=160, qk_norm=False,
+                                                       patch_size=(2, 2, 2), out_channels=8), (2, 4, 6, 6), 5),
+}
+
+
+def caption_length(g) -> int:
+    return g.text_len if isinstance(g, WanGeometry) else g.caption_length
+
+
+def inputs(g, batch: int, frames: int, height: int, width: int, device="cpu", caption_tokens: int | None = None):
     """Model inputs as the Trainer gives them: fps, and caption dropout (one dropped caption);
-    the first caption is padded (half of its tokens masked out)."""
+    the first caption is padded (half of its tokens masked out). Wan's through its spec's
+    ``model_inputs`` (x_t, t, context; a dropped caption is a zero context, without gradient)."""
+    if isinstance(g, WanGeometry):
+        length = caption_tokens or g.text_len
+        drop = torch.zeros(batch, dtype=torch.bool, device=device)
+        drop[-1] = batch > 1
+        cond = Conditions(y=torch.randn(batch, length, g.text_dim, device=device),
+                          y_mask=torch.ones(batch, length, dtype=torch.bool, device=device), drop=drop)
+        x_t = torch.randn(batch, g.in_channels, frames, height, width, device=device)
+        return list(spec_of(g).model_inputs(x_t, torch.rand(batch, device=device), cond)), {}
     length = g.caption_length
     mask = torch.ones(batch, length, dtype=torch.bool)
     mask[0, length // 2:] = False
@@ -80,9 +114,10 @@ def inputs(g: DiTGeometry, batch: int, frames: int, height: int, width: int, dev
                                                  drop_caption=drop.to(device))
 
 
-def counted(model: STDiT, batch: int, frames: int, height: int, width: int, device="cpu"):
+def counted(model: STDiT | WanDiT, batch: int, frames: int, height: int, width: int, device="cpu",
+            caption_tokens: int | None = None):
     """FlopCounterMode's forward counts per module and its forward + backward total."""
-    args, kwargs = inputs(model.geometry, batch, frames, height, width, device)
+    args, kwargs = inputs(model.geometry, batch, frames, height, width, device, caption_tokens)
     with FlopCounterMode(display=False) as forward:
         out = model(*args, **kwargs)
     with FlopCounterMode(display=False) as backward:
@@ -91,10 +126,10 @@ def counted(model: STDiT, batch: int, frames: int, height: int, width: int, devi
     return by_module, forward.get_total_flops() + backward.get_total_flops()
 
 
-def build(g: DiTGeometry, device="cpu") -> STDiT:
+def build(g, device="cpu") -> STDiT | WanDiT:
     torch.manual_seed(0)
     with torch.device(device):
-        return STDiT(g)
+        return (WanDiT if isinstance(g, WanGeometry) else STDiT)(g)
 
 
 def relative_error(predicted: float, counted_flops: float) -> float:
@@ -120,20 +155,46 @@ def test_flop_model_matches_the_counter(name):
     assert relative_error(batch * count.total, parts["Global"]) <= TOLERANCE
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
-def test_hardware_flops_add_the_recompute_of_checkpointed_blocks(mode):
-    g, (batch, frames, height, width), length = CASES["tiny video, pooled caption"]
-    memory = MemoryConfig(checkpointing=mode, checkpoint_every=2)     # blocks 0, 2, 4, 6
-    model = build(g)
-    assert apply_activation_checkpointing(model, memory) == memory.checkpointed_blocks(2 * g.depth)
+@pytest.mark.parametrize("name", WAN_CASES)
+def test_wan_flop_model_matches_the_counter_exactly(name):
+    """Every matmul of a WanDiT is in the model: forward part by part and forward + backward
+    (x_t, the time features and the text context enter without gradient) agree exactly."""
+    g, (batch, frames, height, width), given = WAN_CASES[name]
     with sdpa_kernel(SDPBackend.MATH):
-        _, total = counted(model, batch, frames, height, width)
+        parts, total = counted(build(g), batch, frames, height, width, caption_tokens=given)
+    # The caption length the model is told does not matter: Wan always attends text_len tokens.
+    count = forward_flops(g, frames, height, width, given)
+    assert count == forward_flops(g, frames, height, width, g.text_len)
+    step = train_step_flops(g, batch, frames, height, width, given, fused_attention=False)
+
+    assert step.model == total
+    assert batch * count.total == parts["Global"]
+    blocks = [parts[f"WanDiT.blocks.{i}"] for i in range(g.num_layers)]
+    assert [batch * f for f in count.blocks] == blocks
+    assert batch * count.final == parts["WanDiT.head"]
+    # The time MLPs run functionally (fp32_linear), so the embedding is what the rest leaves.
+    assert batch * count.embed == parts["Global"] - sum(blocks) - parts["WanDiT.head"]
+    assert parts["WanDiT.patch_embedding"] + parts["WanDiT.text_embedding"] < batch * count.embed
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("case", ["tiny video, pooled caption", "wan-tiny video, short captions"])
+def test_hardware_flops_add_the_recompute_of_checkpointed_blocks(mode, case):
+    g, (batch, frames, height, width), length = {**CASES, **WAN_CASES}[case]
+    memory = MemoryConfig(checkpointing=mode, checkpoint_every=2)     # blocks 0, 2, ...
+    model = build(g)
+    blocks = len(model.blocks)
+    assert apply_activation_checkpointing(model, memory) == memory.checkpointed_blocks(blocks)
+    with sdpa_kernel(SDPBackend.MATH):
+        _, total = counted(model, batch, frames, height, width, caption_tokens=length)
     step = train_step_flops(g, batch, frames, height, width, length, memory, fused_attention=False)
     count = forward_flops(g, frames, height, width, length)
 
     assert relative_error(step.hardware, total) <= TOLERANCE, (step.hardware, total)
+    if isinstance(g, WanGeometry):
+        assert step.hardware == total
     if mode == "full":   # every checkpointed block's forward runs twice
-        recompute = batch * sum(count.blocks[i] for i in memory.checkpointed_blocks(2 * g.depth))
+        recompute = batch * sum(count.blocks[i] for i in memory.checkpointed_blocks(blocks))
         assert step.hardware == pytest.approx(step.model + recompute)
     else:                # matmul and attention outputs are kept: no matmul is recomputed
         assert step.hardware == step.model

@@ -217,3 +217,30 @@ def test_impossible_sizes_stop_every_rank_with_one_line(toy_dir, tmp_path):
     assert result.returncode != 0
     assert "error (rank 0): parallel.sp=2 does not divide model.num_heads=3; valid: 1, 3" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def wan(toy_dir, **extra):
+    """The Wan family (wan-tiny at a Wan-valid size: 4 heads of 16, FFN 128, patch 1x2x2)."""
+    return base(toy_dir, **{"model.preset": "wan-tiny", "model.depth": 2, "model.hidden_size": 64,
+                            "model.ffn_dim": 128, "model.patch_size": "[1,2,2]", **extra})
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_wan_layouts_match_one_process(toy_dir, tmp_path, nproc):
+    """Wan's own parallel code against one process: DDP and FSDP2 (2 processes), TP over its
+    across-heads q/k norms, PP through its stage (models/wan/stage.py); HSDP on 4."""
+    video = wan(toy_dir)
+    if nproc == 2:
+        runs = {"ddp": video + ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
+                "fsdp": video + ["parallel.dp_shard=2"],
+                "tp": video + ["parallel.tp=2"],
+                **{name: runs for name, runs in pipeline_schedules(video).items() if name != "pp_interleaved"}}
+        accum = {"ddp": 2, "fsdp": 2, "tp": 1, "pp_gpipe": 1, "pp_1f1b": 1}
+    else:
+        runs = {"hsdp": video + ["parallel.dp_replicate=2", "parallel.dp_shard=2"]}
+        accum = {"hsdp": 4}
+    got = run_layouts(toy_dir, tmp_path, nproc, runs)
+    references = {a: single_process(video + [f"train.grad_accum={a}"], tmp_path / f"ref{a}")
+                  for a in sorted(set(accum.values()))}
+    for name in runs:
+        assert_matches(got[name], references[accum[name]])

@@ -12,12 +12,14 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import tiny_overrides, torchrun
-from test_distributed import run_layouts
+from test_distributed import run_layouts, wan
 from videodit.cli import main
 from videodit.components import model_geometry
 from videodit.config import load_config
+from videodit.models.families import get_spec
 from videodit.models.lora import is_adapter_name
 from videodit.models.stdit.model import STDiT
+from videodit.models.wan import write_wan_folder
 from videodit.train.trainer import Trainer
 
 TOLERANCE = 1e-6
@@ -26,20 +28,29 @@ BUCKETS = "{'24px': {1: [1.0, 2], 4: [1.0, 2]}, '16px': {1: [1.0, 2], 4: [1.0, 2
 
 
 def make_base(overrides: list[str], folder: Path) -> Path:
-    """Random base weights for the geometry of ``overrides`` (nothing zero: see tests/train/test_lora.py)."""
+    """Random base weights for the geometry of ``overrides``, of its model family, as a videodit
+    model folder (nothing zero: see tests/train/test_lora.py)."""
     cfg = load_config("tiny", overrides)
+    spec = get_spec(cfg.model.family)
     torch.manual_seed(0)
-    model = STDiT(model_geometry(cfg, 3, cfg.text.dim))
+    geometry = model_geometry(cfg, 3, cfg.text.dim)
+    model = spec.build(geometry)
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
-    return model.save_pretrained(folder)
+    if isinstance(model, STDiT):
+        return model.save_pretrained(folder)
+    return write_wan_folder(model.state_dict(), geometry, folder)   # Wan's own folder layout
 
 
 def lora_runs(data_dir, tmp_path: Path, **extra) -> list[str]:
     values = {"model.num_heads": 4, "train.lr": 1e-3, "train.warmup_steps": 1, "train.ema_decay": 0,
               "train.batch_size": 2, **extra}
     overrides = tiny_overrides(data_dir, **values)
+    return with_lora(overrides, tmp_path)
+
+
+def with_lora(overrides: list[str], tmp_path: Path) -> list[str]:
     base = make_base(overrides, tmp_path / f"base-{abs(hash(tuple(overrides)))}")
     return overrides + ["lora.rank=4", f"model.init_from={base}"]
 
@@ -89,6 +100,19 @@ def test_lora_under_tensor_and_pipeline_parallel_matches_one_process(mixed_toy, 
     reference = single_process(runs, tmp_path / "ref")
     for name in ("tp", "pp"):
         assert_matches(got[name], reference)
+
+
+def test_wan_lora_under_ddp_and_fsdp_matches_one_process(toy_dir, tmp_path):
+    """LoRA on Wan (default targets: self_attn.q/k/v/o, ffn.0, ffn.2) from a wan-tiny base."""
+    runs = with_lora(wan(toy_dir), tmp_path)
+    got = run_layouts(toy_dir, tmp_path, 2, {
+        "ddp": runs + ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
+        "fsdp": runs + ["parallel.dp_shard=2"],
+    })
+    accum2 = single_process(runs + ["train.grad_accum=2"], tmp_path / "ref2")
+    for name in got:
+        assert_matches(got[name], accum2)
+    assert any(k.startswith("blocks.1.ffn.2.") for k in got["fsdp"]["weights"] if is_adapter_name(k))
 
 
 def test_sharded_lora_checkpoint_holds_the_adapters_and_resumes_on_one_process(toy_dir, tmp_path):

@@ -248,3 +248,22 @@ def test_frozen_encoder_bytes_read_safetensors_headers_at_the_configured_dtype(t
     assert sizes == {"fp32": 1010 * 4, "bf16": 1010 * 2}
     (tmp_path / "model.safetensors").write_bytes(b"\xff" * 8 + b"not a header")
     assert frozen_encoder_bytes(load_config("tiny", ["vae.kind=diffusers", f"vae.path={tmp_path}"])) - toy == 20
+
+
+@pytest.mark.parametrize("preset, num_params", [("wan2.1-t2v-1.3b", 1_418_996_800), ("wan2.1-t2v-14b", 14_288_491_584)])
+def test_wan_presets_plan_without_latent_or_caption(preset, num_params, capsys):
+    # vae.kind=wan2.1 and text.kind=umt5 are known geometry: 16 channels, 4x causal time, 8x
+    # space; 4096-wide captions at text.max_length. 81 frames -> 21 latent frames, patch 1x2x2.
+    overrides = [f"model.preset={preset}", "vae.kind=wan2.1", "text.kind=umt5", "text.max_length=512",
+                 "data.num_frames=81", "data.height=480", "data.width=832", "train.precision=bf16"]
+    planner = planner_from_config(load_config("tiny", overrides), 80 * 2**30)
+    assert planner.latent == LatentGeometry.parse("wan2.1") == LatentGeometry(16, 4, 8)
+    assert planner.caption_length == 512 and planner.geometry.text_dim == 4096
+    assert planner.counts.num_params == num_params
+    assert planner.shape(1, 81, 480, 832).tokens(planner.geometry) == 21 * 30 * 52 == 32_760
+    assert planner.shape(1, 81, 720, 1280).tokens(planner.geometry) == 21 * 45 * 80 == 75_600
+    assert [planner.latent.frames(n) for n in (1, 5, 17, 81)] == [1, 2, 5, 21]   # (T - 1) // 4 + 1
+    assert main(["plan", "tiny", *overrides, "--gpu-mem", "80GiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"]["num_params"] == num_params
+    assert [b["tokens"] for b in out["buckets"]] == [32_760]

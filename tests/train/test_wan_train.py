@@ -62,3 +62,15 @@ def test_wan_samples_with_unipc_and_a_negative_prompt():
         euler = denoise(model, flow, noise, y, mask, steps=4, guidance=3.0, ratio=5.0, negative=negative)
     assert torch.equal(got, expected)
     assert not torch.allclose(got, euler, atol=1e-3)
+
+
+def test_wan_folders_import_and_load_in_both_layouts(tmp_path):
+    from pathlib import Path
+
+    from videodit.checkpoint import import_released
+    fixtures = Path(__file__).parents[1] / "fixtures" / "wan"
+    models = {layout: load_pretrained(fixtures / layout) for layout in ("wan", "diffusers")}
+    imported = load_pretrained(import_released(fixtures / "diffusers", tmp_path / "imported", "name: wan\n"))
+    for model in (models["diffusers"], imported):
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in models["wan"].state_dict().items())
+    assert json.loads((tmp_path / "imported" / "export.json").read_text())["format"] == "wan2.1"

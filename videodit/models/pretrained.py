@@ -26,8 +26,7 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu", ema: b
     path = Path(path)
     spec = released_spec(path)
     if spec is not None:
-        geometry, tensors = spec.read_released(path, ema=ema)
-        return _filled(spec, geometry, tensors).to(device)
+        return _with_buffers(spec.load_released(path, ema=ema), spec).to(device)
     config = path / CONFIG_NAME
     if not config.is_file() or not (path / WEIGHTS_NAME).is_file():
         raise UserError(f"{path} is not a model folder: pass a videodit one ({CONFIG_NAME} + {WEIGHTS_NAME}, as "
@@ -57,16 +56,16 @@ def _filled(spec, geometry, tensors: dict[str, torch.Tensor]) -> nn.Module:
     except RuntimeError as exc:
         raise UserError(f"the weights do not fit a {spec.family} model of their config "
                         f"({' '.join(str(exc).split())[:200]})") from None
-    _rebuild_buffers(model, spec, geometry)
-    return model
+    return _with_buffers(model, spec)
 
 
-def _rebuild_buffers(model: nn.Module, spec, geometry) -> None:
-    """Non-persistent buffers (RoPE tables) are not in a state dict: take them from a model
-    built on the CPU (small: buffers only, the weights stay as loaded)."""
+def _with_buffers(model: nn.Module, spec) -> nn.Module:
+    """Non-persistent buffers (RoPE tables) are not in a state dict: a model filled on the meta
+    device takes them from one built on the CPU (small: buffers only, the weights stay as loaded)."""
     meta = [name for name, b in model.named_buffers() if b.is_meta]
     if meta:
-        fresh = dict(spec.build(geometry).named_buffers())
+        fresh = dict(spec.build(model.geometry).named_buffers())
         for name in meta:
             owner, _, leaf = name.rpartition(".")
             model.get_submodule(owner).register_buffer(leaf, fresh[name], persistent=False)
+    return model

@@ -51,18 +51,30 @@ class LatentGeometry:
         return cls(4, 4, 8, chunk=CHUNK_FRAMES)
 
     @classmethod
+    def wan21(cls) -> "LatentGeometry":
+        """Wan 2.1's causal VAE: 16 channels, 8x8 pixels, 4x time after the first frame
+        (T' = (T - 1) // 4 + 1, which equals ceil(T / 4): ``frames`` needs no rule of its own)."""
+        return cls(16, 4, 8)
+
+    @classmethod
     def parse(cls, text: str) -> "LatentGeometry":
-        """``opensora-v1.2`` or ``C,FT,FS`` (channels, temporal and spatial compression)."""
-        if text == "opensora-v1.2":
-            return cls.opensora_v12()
+        """``opensora-v1.2``, ``wan2.1`` or ``C,FT,FS`` (channels, temporal and spatial compression)."""
+        if text in KNOWN_LATENTS:
+            return KNOWN_LATENTS[text]()
         try:
             channels, temporal, spatial = (int(v) for v in text.split(","))
         except ValueError:
             raise UserError(f"--latent {text!r} must be opensora-v1.2 or three integers C,FT,FS (latent channels, "
-                            "frames per latent frame, pixels per latent), e.g. 4,1,8 for an SD VAE") from None
+                            "frames per latent frame, pixels per latent), e.g. 4,1,8 for an SD VAE, or wan2.1") from None
         if min(channels, temporal, spatial) < 1:
             raise UserError(f"--latent {text!r}: every entry must be at least 1")
         return cls(channels, temporal, spatial)
+
+
+# vae.kind (and --latent) -> the geometry of a VAE the planner knows without loading it.
+KNOWN_LATENTS = {"opensora-v1.2": LatentGeometry.opensora_v12, "wan2.1": LatentGeometry.wan21}
+# text.kind -> caption channels of an encoder the planner knows (its length is text.max_length).
+KNOWN_CAPTIONS = {"umt5": 4096}   # umT5-XXL's d_model (Wan 2.1)
 
 
 @dataclass
@@ -257,12 +269,17 @@ def frozen_encoder_bytes(cfg: Config) -> int:
     if cfg.text.kind == "toy":
         encoder = build_text_encoder("toy", path=None, max_length=cfg.text.max_length, dim=cfg.text.dim)
         total += sum(t.numel() * t.element_size() for t in (*encoder.parameters(), *encoder.buffers()))
-    encoders = ((cfg.vae.path, cfg.vae.subfolder, cfg.vae.dtype), (cfg.text.path, None, cfg.text.dtype))
+    text_sub = None
+    if cfg.text.kind == "umt5" and cfg.text.path and (Path(cfg.text.path) / "text_encoder").is_dir():
+        text_sub = "text_encoder"   # a whole diffusers Wan folder: not its transformer/ and vae/ as well
+    encoders = ((cfg.vae.path, cfg.vae.subfolder, cfg.vae.dtype), (cfg.text.path, text_sub, cfg.text.dtype))
     for path, sub, dtype in encoders:
-        folder = Path(path) / sub if path and sub else Path(path) if path else None
-        if folder is not None and folder.is_dir():
-            total += sum(_weight_bytes(f, _DTYPE_BYTES[dtype]) for f in folder.rglob("*")
+        target = Path(path) / sub if path and sub else Path(path) if path else None
+        if target is not None and target.is_dir():
+            total += sum(_weight_bytes(f, _DTYPE_BYTES[dtype]) for f in target.rglob("*")
                          if f.suffix in _WEIGHT_SUFFIXES)
+        elif target is not None and target.is_file() and target.suffix in _WEIGHT_SUFFIXES:
+            total += _weight_bytes(target, _DTYPE_BYTES[dtype])   # e.g. vae.path=Wan2.1_VAE.pth
     return total
 
 
@@ -291,15 +308,18 @@ def planner_from_config(cfg: Config, gpu_bytes: int, *, world_size: int | None =
                         encoder_bytes: int | None = None) -> Planner:
     """A planner for ``cfg`` on GPUs of ``gpu_bytes``. Latent and caption geometry come from
     the config's encoders when they are built in (identity VAE, toy text) or known
-    (vae.kind=opensora-v1.2); other local pretrained ones are described with
-    ``latent``/``caption`` instead of being loaded."""
+    (vae.kind=opensora-v1.2 or wan2.1, text.kind=umt5 at text.max_length tokens); other local
+    pretrained ones are described with ``latent``/``caption`` instead of being loaded."""
     if cfg.data.cache:   # features are cached: no encoder on the GPU; geometry from the cache when built
         latent, caption, encoder_bytes = *_cached_geometry(cfg, latent, caption), 0
     if latent is None:
         if cfg.vae.kind == "diffusers":
             raise UserError("vae.kind=diffusers: give the latent geometry with --latent C,FT,FS (or opensora-v1.2); "
                             "the planner does not load the VAE")
-        latent = LatentGeometry.opensora_v12() if cfg.vae.kind == "opensora-v1.2" else LatentGeometry(3, 1, 1)
+        known = KNOWN_LATENTS.get(cfg.vae.kind)
+        latent = known() if known else LatentGeometry(3, 1, 1)
+    if caption is None and cfg.text.kind in KNOWN_CAPTIONS:
+        caption = (KNOWN_CAPTIONS[cfg.text.kind], cfg.text.max_length)
     if caption is None:
         if cfg.text.kind != "toy":
             raise UserError("text.kind=transformers: give the caption geometry with --caption CHANNELS,LENGTH "

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+from videodit.models.families import spec_of
 from videodit.errors import UserError
 from videodit.planner.plan import BucketFit, Planner
 
@@ -56,8 +57,9 @@ def plan_table(planner: Planner, plans: list[BucketFit]) -> str:
 
 def plan_summary(planner: Planner, gpu_bytes: int) -> str:
     p, m = planner.parallel, planner.memory
-    return (f"model: {planner.counts.num_params:,} parameters, {planner.geometry.depth} block pairs, hidden "
-            f"{planner.geometry.hidden_size}{_lora_summary(planner)} | "
+    hidden = spec_of(planner.geometry).activation_dims(planner.geometry).hidden_size
+    return (f"model: {planner.counts.num_params:,} parameters, {planner.counts.depth_blocks} blocks, hidden "
+            f"{hidden}{_lora_summary(planner)} | "
             f"per GPU: sp={p.sp} tp={p.tp} pp={p.pp} fsdp shard={p.shard} | "
             f"{'bf16 autocast' if planner.bf16 else 'fp32'} | checkpointing={m.checkpointing}"
             f"{f' every {m.checkpoint_every}' if m.checkpoint_every > 1 else ''}"

@@ -91,6 +91,8 @@ def _layout_of(config) -> str | None:
         return None
     if config.get("_class_name") == "WanTransformer3DModel":
         return "diffusers"
+    if str(config.get("model_type", "")).startswith("videodit"):
+        return None   # videodit's own model folder (its geometry has the same field names)
     if config.get("_class_name") == "WanModel" or (
             "_class_name" not in config and {"dim", "num_heads", "num_layers"} <= config.keys()):
         return "wan"
