@@ -129,6 +129,15 @@ class ModelSpec:
         """(geometry, tensors in the family's own names) of released weights (``released_layout``)."""
         raise NotImplementedError
 
+    def load_released(self, path: Path, ema: bool = False) -> nn.Module:
+        """The fp32 model of released weights; families with sharded releases load them lazily."""
+        geometry, tensors = self.read_released(path, ema=ema)
+        with torch.device("meta"):
+            model = self.build(geometry)
+        model.load_state_dict({name: t.float() if t.is_floating_point() else t for name, t in tensors.items()},
+                              assign=True)
+        return model
+
     def export_released(self, fmt: str, geometry, tensors: dict[str, torch.Tensor]
                         ) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
         """(tensors, {file name: text}, weights file name) of a folder in released format ``fmt``
@@ -172,6 +181,13 @@ class ModelSpec:
     def num_blocks(self, depth: int) -> int:
         """How many repeated blocks ``model.depth`` gives."""
         return depth
+
+    def lora_target(self, name: str) -> str:
+        """A ``lora.targets`` entry (a path inside every block, or a full module path) written in
+        another naming of the family's layers, in its own module names (Wan: diffusers'
+        ``attn1.to_q`` -> ``self_attn.q``). ``models/lora.py`` asks it for a name that names no
+        layer as given; default: the name unchanged."""
+        return name
 
     def check_sequence_parallel(self, num_heads: int, *, tp: int, sp: int, ring: int) -> None:
         """Raise a one-line UserError when ``parallel.sp`` (``ring`` of it ring attention) does not

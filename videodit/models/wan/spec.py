@@ -85,8 +85,12 @@ class WanSpec(ModelSpec):
         return layouts.is_wan_folder(path)
 
     def read_released(self, path, ema: bool = False):
-        geometry, tensors = layouts.read_wan_folder(path)
-        return geometry, dict(tensors.items())
+        """Read lazily: each tensor is read from its shard when it is asked for."""
+        return layouts.read_wan_folder(path)
+
+    def load_released(self, path, ema: bool = False) -> WanDiT:
+        """Built on the meta device and filled shard by shard: a 14B model is held once."""
+        return layouts.load_wan(path, dtype=torch.float32)
 
     def export_released(self, fmt: str, geometry: WanGeometry, tensors):
         if fmt == "diffusers":
@@ -123,6 +127,15 @@ class WanSpec(ModelSpec):
 
     def stage_latents(self, output, latent_shape, geometry):
         return unpatchify(output, latent_shape, geometry)
+
+    def lora_target(self, name: str) -> str:
+        """diffusers' names (``attn1.to_q``, ``attn2.to_out.0``, ``ffn.net.0.proj``, ``ffn.net.2`` inside a
+        block; full paths such as ``blocks.3.attn1.to_k`` or ``condition_embedder.time_embedder.linear_1``)
+        in Wan's (``self_attn.q``, ``cross_attn.o``, ``ffn.0``, ...), by ``layouts.py``'s name map."""
+        full = layouts.wan_name(name)
+        if full != name:
+            return full
+        return layouts.wan_name(f"blocks.0.{name}").removeprefix("blocks.0.")
 
     def tensor_parallel_plan(self) -> TensorParallelPlan:
         # The text embedding is a column/row pair; the time MLPs and the head run in fp32 on
