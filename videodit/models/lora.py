@@ -11,7 +11,10 @@ its class and its ``blocks``, so parallelism, activation checkpointing and sampl
 before.
 
 Targets (``lora.targets``) are module paths inside every block (``attn.q``, ``cross_attn.k``,
-``mlp.fc1``) or full module paths (``t_block.1``); each must name an ``nn.Linear``.
+``mlp.fc1``) or full module paths (``t_block.1``); each must name an ``nn.Linear``. A target that
+names no layer as given is read in the family's other naming (``ModelSpec.lora_target``: Wan
+takes diffusers' ``attn1.to_q``, ``ffn.net.0.proj``, ... for its ``self_attn.q``, ``ffn.0``, ...);
+the adapters always carry the model's own names.
 
 peft imports transformers, which takes seconds, so it is imported only when LoRA is used:
 :func:`is_lora_layer` answers False without importing it.
@@ -41,18 +44,38 @@ def _block_names(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if id(module) in blocks]
 
 
+def _translation(model: nn.Module):
+    """The family's ``lora_target`` (other namings -> own names); as given for a model of no family."""
+    from videodit.models.families import spec_of
+    try:
+        return spec_of(model).lora_target
+    except TypeError:
+        return lambda name: name
+
+
+def _resolve(modules: dict[str, nn.Module], blocks: list[str], target: str) -> list[str] | None:
+    """The Linear layers ``target`` names inside every block, else as a full path; None: none."""
+    inside = [f"{block}.{target}" for block in blocks]
+    if inside and all(isinstance(modules.get(path), nn.Linear) for path in inside):
+        return inside
+    if isinstance(modules.get(target), nn.Linear):
+        return [target]
+    return None
+
+
 def target_paths(model: nn.Module, targets: list[str]) -> list[str]:
     """The full module paths of the Linear layers ``targets`` names (see the module docstring),
     in model order; a target that names no Linear layer is a one-line UserError."""
     modules = dict(model.named_modules())
     blocks = _block_names(model)
+    translate = _translation(model)
     chosen = set()
     for target in targets:
-        inside = [f"{block}.{target}" for block in blocks]
-        if inside and all(isinstance(modules.get(path), nn.Linear) for path in inside):
-            chosen.update(inside)
-        elif isinstance(modules.get(target), nn.Linear):
-            chosen.add(target)
+        paths = _resolve(modules, blocks, target)
+        if paths is None and translate(target) != target:
+            paths = _resolve(modules, blocks, translate(target))
+        if paths is not None:
+            chosen.update(paths)
         else:
             linear = sorted({name.split(".", 2)[2] for name, m in modules.items()
                              if isinstance(m, nn.Linear) and name.count(".") >= 2
