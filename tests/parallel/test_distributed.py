@@ -8,6 +8,7 @@ AdamW steps at lr 1e-3 (the observed difference is ~1e-7, from summation order).
 """
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -49,11 +50,19 @@ def single_process(overrides: list[str], run_dir: Path, steps: int = STEPS) -> t
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, losses
 
 
-def assert_matches(got: dict, reference: tuple[dict, list[float]]) -> None:
+def assert_matches(got: dict, reference: tuple[dict, list[float]], noise_only: str | None = None) -> None:
+    """``noise_only``: a regex of parameters whose true gradient is zero, left out: AdamW normalises
+    their rounding-noise gradients into updates that differ with the summation order."""
     weights, losses = reference
     assert got["losses"] == pytest.approx(losses, rel=1e-5)
-    worst = max((got["weights"][k] - weights[k]).abs().max().item() for k in weights)
+    compared = [k for k in weights if noise_only is None or not re.search(noise_only, k)]
+    worst = max((got["weights"][k] - weights[k]).abs().max().item() for k in compared)
     assert worst < TOLERANCE, worst
+
+
+# On images (one frame) temporal attention attends to itself alone: its softmax is 1 whatever q
+# and k are, so their gradients are zero up to rounding.
+IMAGE_NOISE_ONLY = r"^temporal_blocks\.\d+\.attn\.(q|k|q_norm|k_norm)\."
 
 
 def seeds_by_rank(got: dict) -> list[list]:
@@ -75,7 +84,7 @@ def test_two_processes_match_one(toy_dir, tmp_path):
         assert_matches(got[name], accum2)
     assert_matches(got["fsdp_accum"], single_process(video + ["train.grad_accum=4"], tmp_path / "ref4"))
     assert_matches(got["sp_video"], single_process(video, tmp_path / "ref1"))
-    assert_matches(got["sp_image"], single_process(image, tmp_path / "ref_image"))
+    assert_matches(got["sp_image"], single_process(image, tmp_path / "ref_image"), noise_only=IMAGE_NOISE_ONLY)
     # Data-parallel ranks see different batches; the ranks of one SP group the same ones.
     ddp = seeds_by_rank(got["ddp"])
     assert all(a != b for a, b in zip(*ddp))
