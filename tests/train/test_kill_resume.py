@@ -66,3 +66,17 @@ def test_a_rank_killed_under_torchrun_restarts_and_resumes_exactly(toy_dir, tmp_
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     events = [json.loads(line)["event"] for line in (killed / "checkpoints.jsonl").read_text().splitlines()]
     assert "resume" in events
+
+
+def test_a_resume_at_max_steps_still_applies_save_total_limit(toy_dir, tmp_path):
+    """A kill between a save and its retention leaves a checkpoint too many; the resumed run,
+    already at train.max_steps, saves nothing, so it must apply the limit when it starts."""
+    from conftest import tiny_overrides
+    from videodit.config import load_config
+    from videodit.train.trainer import Trainer
+
+    run = tmp_path / "run"
+    overrides = tiny_overrides(toy_dir, **{"train.max_steps": 3, "checkpoint.every_steps": 1})
+    Trainer(load_config("tiny", overrides), run).fit()   # no limit: steps 1, 2, 3 kept
+    Trainer(load_config("tiny", overrides + ["checkpoint.save_total_limit=2", "resume=auto"]), run).fit()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-0000002", "step-0000003"]

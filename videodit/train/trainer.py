@@ -432,6 +432,9 @@ class Trainer:
             self.checkpoints.set_aside_after(self.step)   # this run's saves never replace them
             if source is not None:
                 self.checkpoints.record_resume(ckpt.path)
+                # A run killed between a save and its retention left one checkpoint too many; a
+                # resume at train.max_steps saves nothing, so retention runs here as well.
+                self.checkpoints.apply_retention()
                 print(f"resumed from {ckpt.path} at step {self.step}", flush=True)
 
     def _checked_start(self) -> Path | None:
