@@ -178,3 +178,32 @@ def test_shard_files_are_safetensors_with_one_entry_per_tensor(toy_dir, tmp_path
     assert len(tensors) == 2 * 54 and all(t.dtype == torch.bfloat16 for t in tensors.values())
     index = pq.read_table(tmp_path / "c" / "index.parquet")
     assert np.all(index.column("text_bytes").to_numpy() == index.column("text_len").to_numpy() * 64 * 2)
+
+
+def test_wan_encoder_identities_digest_what_the_encoders_read(tmp_path):
+    """vae.kind=wan2.1 given as Wan's checkpoint file is identified by that file's bytes, not by
+    its path alone; text.kind=umt5 given as a whole diffusers Wan folder by its text_encoder/ and
+    tokenizer/ only (its transformer may be fine-tuned without touching the cache)."""
+    from videodit.data.feature_cache.format import encoder_identity
+
+    wan = tmp_path / "Wan2.1-T2V-1.3B-Diffusers"
+    for name, data in {"Wan2.1_VAE.pth": b"vae", "text_encoder/config.json": b"{}",
+                       "text_encoder/model.safetensors": b"t5", "tokenizer/tokenizer.json": b"{}",
+                       "transformer/diffusion_pytorch_model.safetensors": b"dit"}.items():
+        (wan / name).parent.mkdir(parents=True, exist_ok=True)
+        (wan / name).write_bytes(data)
+
+    def identity():
+        cfg = load_config("tiny", ["model.preset=wan-tiny", "vae.kind=wan2.1", f"vae.path={wan / 'Wan2.1_VAE.pth'}",
+                                   "text.kind=umt5", f"text.path={wan}", "text.max_length=512"])
+        return encoder_identity(cfg)
+
+    first = identity()
+    assert first["vae"]["weights"] and first["text"]["weights"]
+    (wan / "transformer" / "diffusion_pytorch_model.safetensors").write_bytes(b"fine-tuned")
+    assert identity() == first
+    (wan / "Wan2.1_VAE.pth").write_bytes(b"another vae")
+    (wan / "text_encoder" / "model.safetensors").write_bytes(b"another t5")
+    second = identity()
+    assert second["vae"]["weights"] != first["vae"]["weights"]
+    assert second["text"]["weights"] != first["text"]["weights"]

@@ -77,6 +77,25 @@ def test_planner_matches_measurement_with_sequence_parallel(checkpointing, toy_d
         assert_close(report["measured"], report["predicted"], f"sp=2 rank {report['rank']}")
 
 
+# Family x checkpointing: the activation table comes from the family (models/<family>/activations.py).
+FAMILY_ACTIVATIONS = {"wan": ("wan-tiny", (2, 8, 32, 32), 0.05)}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("checkpointing", ["none", "selective", "full"])
+@pytest.mark.parametrize("family", FAMILY_ACTIVATIONS)
+def test_family_activations_match_measurement(family, checkpointing, precision, toy_dir, tmp_path):
+    # Wan keeps its residual stream, modulation, norms and gate products in fp32 under autocast,
+    # copies the modulated input per projection and attends text_len caption tokens.
+    preset, (batch, frames, height, width), tolerance = FAMILY_ACTIVATIONS[family]
+    cfg = load_config("tiny", preset_overrides(toy_dir, preset, **{"memory.checkpointing": checkpointing,
+                                                                    "train.precision": precision}))
+    trainer = Trainer(cfg, tmp_path / "run")
+    measured = measure_trainer(trainer, synthetic_batch(batch, frames, height, width)).activations
+    predicted = planner_from_config(cfg, gpu_bytes=1).estimate(batch, frames, height, width).activations
+    assert abs(predicted / measured - 1) <= tolerance, f"{family} {checkpointing} {precision}: {predicted / measured:.3f}"
+
+
 def test_live_memory_sees_only_new_storages():
     import torch
     weight = torch.randn(64, 64)

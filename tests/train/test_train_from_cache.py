@@ -1,8 +1,10 @@
 """Training from a feature cache (data.cache) gives the losses of on-the-fly encoding: the toy
 (identity VAE, toy text), bucketed data with images and several views, bf16 storage, and a
-tiny diffusers AutoencoderKL with a tiny T5; mid-epoch resume; and no encoder is built."""
+tiny diffusers AutoencoderKL with a tiny T5 (STDiT) or a tiny Wan 2.1 VAE with a tiny umT5 (Wan);
+mid-epoch resume; and no encoder is built."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,43 +106,83 @@ def test_resume_from_the_cache_is_exact_mid_epoch(toy_dir, tmp_path):
     assert losses(tmp_path / "split") == losses(tmp_path / "straight")   # bitwise
 
 
-# --------------------------------------------------------------------------- real-architecture encoders
+# --------------------------------------------------------------------------- real-architecture encoders, per family
+
+WAN = {"model.preset": "wan-tiny", "model.depth": 2, "model.num_heads": 4, "diffusion.constant_shift": 5.0,
+       "diffusion.prediction": "velocity", "diffusion.loss_space": "velocity"}   # as tests/train/test_wan_train.py
 
 
 @pytest.fixture(scope="module")
 def encoders(tmp_path_factory):
-    """A tiny random diffusers AutoencoderKL (2x spatial, 4 channels) and a tiny random T5 with a
-    word tokenizer over the toy vocabulary."""
-    from videodit.toy.stand_ins import save_kl_vae, save_t5
+    """Tiny random encoders of both families, with a word tokenizer over the toy vocabulary:
+    a diffusers AutoencoderKL (2x spatial, 4 channels) and a T5 for STDiT; a Wan 2.1 VAE
+    (AutoencoderKLWan: 4x causal time, 4x space, 4 channels) and a umT5 (diffusers' Wan layout)
+    for Wan."""
+    from videodit.toy.stand_ins import save_kl_vae, save_t5, save_umt5, save_wan_vae
 
     root = tmp_path_factory.mktemp("encoders")
     save_kl_vae(root / "vae")
     save_t5(root / "t5")
+    save_wan_vae(root / "wan_vae", temperal_downsample=(True, True))
+    save_umt5(root / "umt5")
     return root
 
 
-def test_diffusers_vae_and_t5_from_the_cache_give_the_on_the_fly_losses(toy_dir, tmp_path, encoders):
-    common = tiny_overrides(toy_dir, **{
-        "vae.kind": "diffusers", "vae.path": str(encoders / "vae"), "text.kind": "transformers",
-        "text.path": str(encoders / "t5"), "text.max_length": 8, "model.patch_size": "[1,2,2]",
-        "train.max_steps": 3, "validation.csv": str(toy_dir / "val.csv"), "validation.max_samples": 8})
+def family_overrides(family, encoders):
+    """The encoders (and, for Wan, the model and the 4k+1-frame clips) of one family."""
+    if family == "stdit":
+        return {"vae.kind": "diffusers", "vae.path": str(encoders / "vae"), "text.kind": "transformers",
+                "text.path": str(encoders / "t5"), "text.max_length": 8, "model.patch_size": "[1,2,2]"}
+    return {**WAN, "vae.kind": "wan2.1", "vae.path": str(encoders / "wan_vae"), "text.kind": "umt5",
+            "text.path": str(encoders / "umt5"), "text.max_length": 8, "data.num_frames": 5}   # 5 = 4k+1 frames
+
+
+def perturbed_copy(folder, to):
+    """``folder`` (a model and its tokenizer) with other weights: the same architecture and sizes."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, to)
+    for weights in to.rglob("*.safetensors"):
+        state = load_file(str(weights))
+        name = sorted(state)[0]
+        state[name] = state[name] + 0.5
+        save_file(state, str(weights), metadata={"format": "pt"})
+    return to
+
+
+@pytest.mark.parametrize("family", ["stdit", "wan"])
+def test_real_encoders_from_the_cache_give_the_on_the_fly_losses(family, toy_dir, tmp_path, encoders):
+    """STDiT with a diffusers VAE and a T5, Wan with Wan 2.1's VAE and a umT5: an fp32 cache
+    trains to the on-the-fly losses (measured: bitwise equal for both)."""
+    family_keys = family_overrides(family, encoders)
+    common = tiny_overrides(toy_dir, **family_keys, **{
+        "train.max_steps": 3, "validation.csv": str(toy_dir / "val.csv"), "validation.max_samples": 8,
+        "train.deterministic": True})
     build_cache(load_config("tiny", common), tmp_path / "cache", dtype="fp32", shard_size=16, batch_size=5,
                 log=quiet)
-    train(common, tmp_path / "fly")
-    trainer = train(common + [f"data.cache={tmp_path / 'cache'}"], tmp_path / "cached")
-    assert trainer.vae.latent_channels == 4 and trainer.text.dim == 16
+    fly = train(common, tmp_path / "fly")
+    cached = common + [f"data.cache={tmp_path / 'cache'}"]
+    trainer = train(cached, tmp_path / "cached")
+    assert type(trainer.vae).__name__ == "CachedVAE" and trainer.vae.latent_channels == 4
+    assert trainer.text.dim == 16 and trainer.text.max_length == 8
+    assert type(trainer.model).__name__ == type(fly.model).__name__
     assert_close(losses(tmp_path / "cached"), losses(tmp_path / "fly"))
     assert_close(losses(tmp_path / "cached", "val_loss"), losses(tmp_path / "fly", "val_loss"))
-    # Another T5 (other weights, same architecture and sizes) is another encoder.
-    from transformers import T5EncoderModel
-    other = tmp_path / "t5-other"
-    model = T5EncoderModel.from_pretrained(encoders / "t5")
-    torch.nn.init.normal_(model.shared.weight)
-    model.save_pretrained(other)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (encoders / "t5" / name).exists():
-            (other / name).write_bytes((encoders / "t5" / name).read_bytes())
+    # The planner plans the cached run without its encoders, the captions' geometry from the cache.
+    from videodit.cli import main
+    from videodit.planner.plan import planner_from_config
+    planner = planner_from_config(load_config("tiny", cached), 2**30)
+    assert planner.encoder_bytes == 0 and planner.caption_length == 8
+    assert main(["plan", "tiny", *cached, "--gpu-mem", "1GiB"]) == 0
+    # Another text encoder (other weights, same architecture and sizes) is refused; so is another
+    # VAE kind (the other family's VAE, same latent channels), each in one line.
     from videodit.errors import UserError
-    with pytest.raises(UserError, match="another text encoder"):
-        Trainer(load_config("tiny", common + [f"data.cache={tmp_path / 'cache'}", f"text.path={other}"]),
-                tmp_path / "refused")
+    other = perturbed_copy(encoders / Path(family_keys["text.path"]).name, tmp_path / "text-other")
+    other_vae = {"stdit": ["vae.kind=wan2.1", f"vae.path={encoders / 'wan_vae'}"],
+                 "wan": ["vae.kind=diffusers", f"vae.path={encoders / 'vae'}"]}[family]
+    for change, reason in (([f"text.path={other}"], "another text encoder"), (other_vae, "another VAE")):
+        with pytest.raises(UserError, match=reason) as info:
+            Trainer(load_config("tiny", cached + change), tmp_path / "refused")
+        assert "\n" not in str(info.value) and "videodit cache build" in str(info.value)

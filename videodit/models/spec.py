@@ -60,6 +60,50 @@ class ActivationDims:
 
 
 @dataclass(frozen=True)
+class Saved:
+    """One kind of tensor that autograd keeps for backward, for the planner's activation model
+    (``planner/estimate.py``), in ``units`` of a width ``per``: ``"D"`` (hidden size), ``"M"``
+    (MLP width), ``"C"`` (caption channels), ``"H"`` (heads) or ``"1"`` (one value), for every
+    element of ``on``: ``"tokens"`` (video tokens on this rank), ``"caption"`` (caption tokens of
+    the micro-batch, batch x caption length) or ``"latent"`` (latent elements, per="1").
+
+    ``low``: in the compute dtype (bf16 under autocast), else always fp32. ``tp``: split over
+    tensor-parallel ranks (per-head or per-MLP-column tensors). ``selective``: kept by selective
+    checkpointing (outputs of matmuls and attention kernels); ``selective_units`` overrides the
+    units kept then (a matmul output that plain autograd frees, or keeps in another dtype).
+    ``autocast_units`` overrides ``units`` under bf16 autocast (which casts a linear's input once
+    per layer, or leaves no copy where fp32 shares one tensor). ``needed_by``: kept only for the
+    gradients of these: layers of the block (their weights), ``"adaln"`` (the modulation),
+    ``"qk_norm"`` (its weights) or a layer outside the blocks; empty: always kept (the input of an
+    op whose output needs a gradient). LoRA freezes all of these but the adapted layers."""
+    what: str
+    units: float
+    per: str
+    low: bool
+    tp: bool
+    selective: bool
+    needed_by: tuple[str, ...] = ()
+    on: str = "tokens"
+    selective_units: float | None = None
+    autocast_units: float | None = None
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """What a family's model keeps for backward (the planner's activation model): ``block`` per
+    repeated block, ``outside`` once for the layers before and after the blocks (on the whole
+    token grid), ``caption_layers`` the block layers that read caption tokens (LoRA).
+    Under sequence parallelism the model also keeps ``sp_gathered`` fp32 D-wide values per token
+    of the whole grid (the gathered block output, where ``outside`` does not count it already)
+    and ``sp_local`` per token of the rank's slice."""
+    block: tuple[Saved, ...]
+    outside: tuple[Saved, ...]
+    caption_layers: tuple[str, ...] = ("cross_attn.k", "cross_attn.v")
+    sp_gathered: float = 1.0
+    sp_local: float = 0.0
+
+
+@dataclass(frozen=True)
 class TensorParallelPlan:
     """Declared per block (``block``) and at the root (``root``): module path -> style, where a
     style is ``"colwise"``, ``"rowwise"``, ``"colwise_gathered"`` (column-wise, output gathered
@@ -201,6 +245,10 @@ class ModelSpec:
         raise NotImplementedError
 
     def activation_dims(self, geometry) -> ActivationDims:
+        raise NotImplementedError
+
+    def activation_profile(self, geometry) -> ActivationProfile:
+        """The tensors one block (and the rest of the model) keeps for backward."""
         raise NotImplementedError
 
 

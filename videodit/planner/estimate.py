@@ -7,8 +7,8 @@ The model (derived in ``docs/memory.md``, checked against :mod:`videodit.planner
   the ranks that share it: pipeline stages and tensor-parallel ranks split the blocks,
   FSDP shards everything over ``dp_shard x sp`` ranks.
 * **Activations**: what every transformer block keeps for backward, per token, from a
-  table of the tensors autograd saves (:data:`BLOCK_SAVED`), plus the embedding, final
-  layer and loss. Sequence parallelism divides the tokens, tensor parallelism the heads
+  table of the tensors autograd saves, which the model family gives
+  (``ModelSpec.activation_profile``), plus the embedding, final layer and loss (its table too). Sequence parallelism divides the tokens, tensor parallelism the heads
   and the MLP width; checkpointing, compression and offload change what a block keeps.
 * **Temporaries**: the largest transient of backward (one block's activation gradients,
   one recomputed block under checkpointing), the weights FSDP gathers for the blocks in
@@ -27,61 +27,12 @@ from torch import nn
 
 from videodit.config import Config, MemoryConfig
 from videodit.models.families import spec_of
+from videodit.models.spec import ActivationDims, Saved
 
 FP32 = 4
 
-# What autograd keeps per token inside one block, in units of the hidden size D ("D") or the
-# MLP width M ("M"). ``low``: in the compute dtype (bf16 under autocast), else always fp32.
-# ``tp``: split over tensor-parallel ranks (per-head or per-MLP-column tensors).
-# ``selective``: kept by selective checkpointing (outputs of matmuls and attention kernels).
-
-
-@dataclass(frozen=True)
-class Saved:
-    what: str
-    units: float
-    per: str                 # "D" or "M"
-    low: bool
-    tp: bool
-    selective: bool
-    # Kept only for the gradients of these: layers of the block (their weights), "adaln" (its
-    # shift/scale/gate, from the adaLN table and t_block) or "qk_norm" (its weights). Empty: always
-    # kept (the input of an op whose output needs a gradient). LoRA freezes all of these but the
-    # adapted layers, whose adapters need their input.
-    needed_by: tuple[str, ...] = ()
-
-
-QKV = ("attn.q", "attn.k", "attn.v")
-
-BLOCK_SAVED: tuple[Saved, ...] = (
-    # self-attention (spatial or temporal)
-    Saved("block input (residual stream)", 1, "D", False, False, True),
-    Saved("norm1 output (for the adaLN scale gradient)", 1, "D", False, False, False, ("adaln",)),
-    Saved("modulated input of q/k/v", 1, "D", True, False, False, QKV),
-    Saved("q, k before QK-norm", 2, "D", True, True, True),
-    Saved("q, k normalised (before the norm weight)", 2, "D", False, True, False, ("qk_norm",)),
-    Saved("q, k after QK-norm (and RoPE), attention inputs", 2, "D", True, True, False),
-    Saved("v", 1, "D", True, True, True),
-    Saved("attention output", 1, "D", True, True, True),
-    Saved("attention output with heads merged (proj input)", 1, "D", True, True, False, ("attn.proj",)),
-    Saved("output projection (for the gate gradient)", 1, "D", True, False, True, ("adaln",)),
-    # cross-attention
-    Saved("residual after self-attention (q input)", 1, "D", True, False, False, ("cross_attn.q",)),
-    Saved("cross q", 1, "D", True, True, True),
-    Saved("cross attention output (proj input)", 1, "D", True, True, True),
-    Saved("cross output projection (kept only by selective)", 0, "D", True, False, True),
-    # MLP
-    Saved("residual after cross-attention (norm2 input)", 1, "D", False, False, False),
-    Saved("norm2 output", 1, "D", False, False, False, ("adaln",)),
-    Saved("modulated input of fc1", 1, "D", True, False, False, ("mlp.fc1",)),
-    Saved("fc1 output (GELU input)", 1, "M", True, True, True),
-    Saved("GELU output (fc2 input)", 1, "M", True, True, False, ("mlp.fc2",)),
-    Saved("fc2 output (for the gate gradient)", 1, "D", True, False, True, ("adaln",)),
-)
-# Layers of a block that read the caption tokens instead of the video tokens.
-CAPTION_LAYERS = ("cross_attn.k", "cross_attn.v")
-# Selective checkpointing also keeps the cross-attention projection (a matmul output).
-_SELECTIVE_EXTRA_D = 1
+# What autograd keeps comes from the model's family: ``spec_of(geometry).activation_profile``, a
+# table of :class:`Saved` entries per block and outside the blocks (``models/<family>/activations.py``).
 
 
 @dataclass(frozen=True)
@@ -131,13 +82,14 @@ def count_lora(cfg, geometry, model: nn.Module | None = None) -> Lora | None:
         with torch.device("meta"):
             model = spec_of(geometry).build(geometry)
     shapes = target_shapes(model, cfg)
+    caption_layers = spec_of(geometry).activation_profile(geometry).caption_layers
     first = next(name for name, module in model.named_modules() if module is model.blocks[0]) + "."
     block = {path[len(first):]: shape for path, shape in shapes.items() if path.startswith(first)}
     in_blocks = sum(cfg.rank * (i + o) for path, (i, o) in shapes.items() if path.split(".")[0].endswith("blocks"))
     return Lora(cfg.rank, in_blocks, sum(cfg.rank * (i + o) for i, o in shapes.values()) - in_blocks,
                 tuple(sorted(block)), sum(i for i, _ in block.values()),
-                sum(o for path, (_, o) in block.items() if path not in CAPTION_LAYERS),
-                sum(o for path, (_, o) in block.items() if path in CAPTION_LAYERS), cfg.dropout)
+                sum(o for path, (_, o) in block.items() if path not in caption_layers),
+                sum(o for path, (_, o) in block.items() if path in caption_layers), cfg.dropout)
 
 
 @dataclass
@@ -205,24 +157,47 @@ class Estimate:
 # --------------------------------------------------------------------------- activations
 
 
+def saved_bytes(entries: tuple[Saved, ...], dims: ActivationDims, counts: dict[str, float], parallel: Parallel,
+                precision: Precision, mode: str = "none", adapted: set[str] | None = None) -> float:
+    """Bytes of a family's :class:`Saved` entries: ``counts`` gives how many tokens, caption tokens
+    and latent elements there are; ``adapted``: LoRA's adapted layers (None: no LoRA)."""
+    widths = {"D": dims.hidden_size, "M": dims.mlp_hidden, "C": dims.caption_channels, "H": dims.num_heads, "1": 1}
+    total = 0.0
+    for saved in entries:
+        if mode == "selective":
+            units = saved.selective_units if saved.selective_units is not None else \
+                (saved.units if saved.selective else 0)
+        else:
+            if adapted is not None and mode == "none" and saved.needed_by and not adapted & set(saved.needed_by):
+                continue   # kept for a frozen weight's gradient only (selective keeps matmul outputs regardless)
+            units = saved.autocast_units if precision.bf16 and saved.autocast_units is not None else saved.units
+        if not units:
+            continue
+        width = widths[saved.per] / (parallel.tp if saved.tp else 1)
+        total += units * counts[saved.on] * width * (precision.low_bytes if saved.low else FP32)
+    return total
+
+
 def block_activation_bytes(geometry, tokens: int, batch: int, caption_length: int,
                            parallel: Parallel, precision: Precision, mode: str = "none",
                            compression: str = "none", lora: Lora | None = None) -> float:
     """Bytes one block keeps for backward, for ``tokens`` tokens on this rank.
 
-    ``mode`` is the block's checkpointing: ``none`` keeps :data:`BLOCK_SAVED`, ``full`` only
+    ``mode`` is the block's checkpointing: ``none`` keeps the family's block table, ``full`` only
     the block input, ``selective`` the matmul and attention outputs. ``lora``: the frozen base
     keeps no input for its own weights' gradients (``needed_by``), the adapters keep their
     rank-wide intermediate (and with dropout, their dropped-out input and its mask).
     """
-    dims = spec_of(geometry).activation_dims(geometry)
-    d, heads, m, tp = dims.hidden_size, dims.num_heads, dims.mlp_hidden, parallel.tp
+    spec = spec_of(geometry)
+    dims = spec.activation_dims(geometry)
     if mode == "full":
-        return tokens * d * FP32
+        return tokens * dims.hidden_size * FP32
+    profile = spec.activation_profile(geometry)
     total = 0.0
+    adapted = None
     if lora is not None:
         adapted = set(lora.block_layers)
-        video = [layer for layer in lora.block_layers if layer not in CAPTION_LAYERS]
+        video = [layer for layer in lora.block_layers if layer not in profile.caption_layers]
         total += lora.rank * (tokens * len(video) + batch * caption_length * (len(adapted) - len(video))) \
             * precision.low_bytes
         if lora.dropout > 0 and mode == "none":
@@ -230,18 +205,8 @@ def block_activation_bytes(geometry, tokens: int, batch: int, caption_length: in
         if mode == "selective":   # it keeps every matmul output: the adapters' full-width ones too
             total += (tokens * lora.block_outputs + batch * caption_length * lora.caption_outputs) \
                 * precision.low_bytes
-    for saved in BLOCK_SAVED:
-        if mode == "selective" and not saved.selective:
-            continue
-        if lora is not None and mode == "none" and saved.needed_by and not adapted & set(saved.needed_by):
-            continue   # kept for a frozen weight's gradient only (selective keeps matmul outputs regardless)
-        width = (d if saved.per == "D" else m) / (tp if saved.tp else 1)
-        units = saved.units + (_SELECTIVE_EXTRA_D if mode == "selective" and saved.units == 0 else 0)
-        total += units * tokens * width * (precision.low_bytes if saved.low else FP32)
-    # Per token: LayerNorm mean/rstd (2 norms), QK-norm rstd (q, k per head), two attention logsumexps.
-    total += tokens * (4 + 4 * heads / tp) * FP32
-    # Per sample: cross-attention keys and values of the caption.
-    total += batch * 2 * caption_length * d / tp * precision.low_bytes
+    counts = {"tokens": tokens, "caption": batch * caption_length, "latent": 0}
+    total += saved_bytes(profile.block, dims, counts, parallel, precision, mode, adapted)
     if mode == "none" and compression != "none":
         total *= {"bf16": 0.5 if not precision.bf16 else 1.0, "fp8": 0.25 if not precision.bf16 else 0.5}[compression]
     return total
@@ -275,11 +240,16 @@ def activation_bytes(geometry, shape: Shape, parallel: Parallel, precision: Prec
     # first block and gathered after the last): the final layer's norm and modulation (2 D per
     # token), the gathered block output under SP, and about five latent-sized tensors (input,
     # patch output, unpatchified output, velocity, error).
-    d = spec_of(geometry).activation_dims(geometry).hidden_size
+    # The family's ``outside`` table lists them (LoRA: a frozen output layer keeps neither its
+    # norm's output nor its projection's input).
+    spec = spec_of(geometry)
+    dims, profile = spec.activation_dims(geometry), spec.activation_profile(geometry)
     all_tokens = shape.batch * shape.tokens(geometry)
-    gathered = all_tokens * d * FP32 if parallel.sp > 1 else 0
-    # LoRA: the frozen output layer keeps neither its norm's output nor its projection's input.
-    outside = all_tokens * ((0 if lora else 2 * d) + 2) * FP32 + gathered + 5 * shape.latent_elements * FP32
+    gathered = (profile.sp_gathered * all_tokens + profile.sp_local * tokens) * dims.hidden_size * FP32 \
+        if parallel.sp > 1 else 0
+    counts = {"tokens": all_tokens, "caption": shape.batch * shape.caption_length, "latent": shape.latent_elements}
+    outside = saved_bytes(profile.outside, dims, counts, dataclasses.replace(parallel, tp=1),
+                          precision, adapted=None if lora is None else set(lora.block_layers)) + gathered
     in_flight = parallel.in_flight if parallel.pp > 1 else 1
     total = int((kept_blocks + outside) * in_flight)
     return total, {"per_block_plain": int(per_block["none"]), "per_block_full": int(per_block["full"]),

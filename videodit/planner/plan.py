@@ -346,7 +346,7 @@ def _cached_geometry(cfg: Config, latent: LatentGeometry | None,
     if not (Path(cfg.data.cache) / MANIFEST).is_file():
         return latent, caption
     manifest = read_manifest(Path(cfg.data.cache))
-    if latent is None and cfg.vae.kind == "diffusers":
+    if latent is None and cfg.vae.kind in ("diffusers", "wan2.1"):   # what the cache holds, not the released size
         g = manifest["latent"]
         latent = LatentGeometry(g["channels"], g["temporal_compression"], g["spatial_compression"])
     if caption is None and cfg.text.kind != "toy":

@@ -57,12 +57,19 @@ def tensor_key(clip: int, view: int, what: str) -> str:
 
 def folder_digest(folder: Path) -> str:
     """A digest of a model folder's weight and config files: names, sizes, and 16 blocks of
-    64 KiB spread over each file (whole files up to 1 MiB)."""
+    64 KiB spread over each file (whole files up to 1 MiB). A file (Wan's ``Wan2.1_VAE.pth``) is
+    digested as a folder holding it alone."""
+    folder = Path(folder)
+    if folder.is_file():
+        return _digest_files(folder.parent, [folder])
+    return _digest_files(folder, sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in WEIGHT_SUFFIXES))
+
+
+def _digest_files(root: Path, files) -> str:
     digest = hashlib.sha256()
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
     for path in files:
         size = path.stat().st_size
-        digest.update(f"{path.relative_to(folder).as_posix()}\0{size}\0".encode())
+        digest.update(f"{path.relative_to(root).as_posix()}\0{size}\0".encode())
         with open(path, "rb") as f:
             if size <= _SAMPLED_BLOCKS * _BLOCK:
                 digest.update(f.read())
@@ -73,14 +80,31 @@ def folder_digest(folder: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _model_files(path: str | None, subfolder: str | None = None) -> dict:
-    """``path`` and, when it is a folder here, the digest of its files (None where it is not:
-    a cache copied to a machine without the encoders is then checked by path alone)."""
+def _model_files(path: str | None, subfolder: str | None = None, kind: str | None = None) -> dict:
+    """``path`` and, when it is a folder or a file here, the digest of its files (None where it is
+    not: a cache copied to a machine without the encoders is then checked by path alone).
+    ``kind="umt5"``: only the folders the umT5 encoder reads (a whole diffusers Wan folder also
+    holds the transformer and the VAE, which are not the text encoder)."""
     if not path:
         return {}
     folder = Path(path).expanduser() / subfolder if subfolder else Path(path).expanduser()
-    return {"path": str(Path(path).expanduser().resolve()),
-            "weights": folder_digest(folder) if folder.is_dir() else None}
+    weights = None
+    if kind == "umt5" and folder.is_dir():
+        weights = _umt5_digest(folder)
+    elif folder.is_dir() or folder.is_file():
+        weights = folder_digest(folder)
+    return {"path": str(Path(path).expanduser().resolve()), "weights": weights}
+
+
+def _umt5_digest(folder: Path) -> str:
+    """A diffusers Wan folder counts by its ``text_encoder/`` and ``tokenizer/`` only, what
+    ``text.kind=umt5`` reads (a fine-tuned ``transformer/`` beside them is not the text encoder);
+    any other folder as a whole."""
+    parts = [folder / "text_encoder", folder / "tokenizer"]
+    if not (parts[0] / "config.json").is_file():
+        return folder_digest(folder)
+    digests = " ".join(folder_digest(part) for part in parts if part.is_dir())
+    return hashlib.sha256(digests.encode()).hexdigest()[:16]
 
 
 def encoder_identity(cfg: Config) -> dict:
@@ -94,7 +118,7 @@ def encoder_identity(cfg: Config) -> dict:
     if cfg.text.kind == "toy":
         text["dim"] = cfg.text.dim
     else:
-        text.update(dtype=cfg.text.dtype, **_model_files(cfg.text.path))
+        text.update(dtype=cfg.text.dtype, **_model_files(cfg.text.path, kind=cfg.text.kind))
     return {"vae": vae, "text": text}
 
 

@@ -157,3 +157,7 @@ class StditSpec(ModelSpec):
         return ActivationDims(geometry.hidden_size, geometry.num_heads, int(geometry.hidden_size * geometry.mlp_ratio),
                               geometry.caption_channels)
 
+    def activation_profile(self, geometry):
+        from videodit.models.stdit.activations import PROFILE
+        return PROFILE
+

@@ -162,3 +162,7 @@ class WanSpec(ModelSpec):
 
     def activation_dims(self, geometry: WanGeometry) -> ActivationDims:
         return ActivationDims(geometry.dim, geometry.num_heads, geometry.ffn_dim, geometry.text_dim)
+
+    def activation_profile(self, geometry):
+        from videodit.models.wan.activations import PROFILE
+        return PROFILE
