@@ -135,3 +135,13 @@ def test_legacy_run_resumes(tmp_path, monkeypatch, capsys):
     assert pipeline.weights == "ema"
     clips = pipeline(["a red circle moving right"], steps=2)
     assert clips.shape == (1, 4, 16, 16, 3)
+
+    # Through the model-family seam: the old run (its config.yaml has no model.family) is STDiT's,
+    # and its checkpoint exports as a model folder that load_pretrained rebuilds bit for bit.
+    from videodit.checkpoint import export
+    from videodit.models import load_pretrained
+    from videodit.models.families import spec_of
+
+    assert pipeline.cfg.model.family == "stdit" and spec_of(pipeline.model).family == "stdit"
+    exported = load_pretrained(export(old_ckpt, tmp_path / "exported"))
+    _assert_same(exported.state_dict(), old_model, "an export of the old checkpoint")
