@@ -10,6 +10,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="module")
+def no_network():
+    """HF offline mode plus a socket guard: any network attempt fails the test loudly."""
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("network access attempted during an offline test")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("TRANSFORMERS_OFFLINE", "1")
+        mp.setattr(socket.socket, "connect", refuse)
+        mp.setattr(socket, "create_connection", refuse)
+        yield
+
+
 @pytest.fixture(scope="session")
 def toy_dir(tmp_path_factory):
     """A small toy dataset: one 8-frame 16x16 clip per seen combination."""

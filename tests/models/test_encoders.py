@@ -8,7 +8,6 @@ sockets disabled, so the tests prove that nothing is ever downloaded.
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import torch
@@ -25,18 +24,8 @@ from videodit.models.vae import Diffusers2DVAE, Diffusers3DVAE, IdentityVAE, bui
 
 
 @pytest.fixture(scope="module", autouse=True)
-def offline():
-    """HF offline mode plus a socket guard: any network attempt fails the test loudly."""
-
-    def no_network(*args, **kwargs):
-        raise RuntimeError("network access attempted during encoder tests")
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setenv("TRANSFORMERS_OFFLINE", "1")
-        mp.setattr(socket.socket, "connect", no_network)
-        mp.setattr(socket, "create_connection", no_network)
-        yield
+def offline(no_network):
+    """Every test here runs offline (conftest's no_network)."""
 
 
 def _video(batch: int, frames: int, size: int = 16, seed: int = 0) -> torch.Tensor:

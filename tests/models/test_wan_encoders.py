@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -32,18 +31,8 @@ TOLERANCE = 1e-5   # fp32; measured: 0 (bit-identical)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def offline():
-    """HF offline mode plus a socket guard: any network attempt fails the test loudly."""
-
-    def no_network(*args, **kwargs):
-        raise RuntimeError("network access attempted during Wan encoder tests")
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setenv("TRANSFORMERS_OFFLINE", "1")
-        mp.setattr(socket.socket, "connect", no_network)
-        mp.setattr(socket, "create_connection", no_network)
-        yield
+def offline(no_network):
+    """Every test here runs offline (conftest's no_network)."""
 
 
 @pytest.fixture(scope="module")

@@ -91,10 +91,6 @@ class HFTextEncoder(FrozenTextEncoder):
         self.max_length = int(max_length)
         self._freeze()
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
     @torch.no_grad()
     def encode(self, captions: list[str]) -> tuple[Tensor, Tensor]:
         captions = as_caption_list(captions)

@@ -19,6 +19,11 @@ class FrozenTextEncoder(nn.Module):
         self.requires_grad_(False)
         self.eval()
 
+    @property
+    def device(self):
+        """Where the weights are; adapters with weights only (the toy encoder has none)."""
+        return next(self.parameters()).device
+
     def train(self, mode: bool = True) -> "FrozenTextEncoder":
         # A parent model calling .train() must not re-enable dropout in the frozen encoder.
         return super().train(False)

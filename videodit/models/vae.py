@@ -251,14 +251,6 @@ class _DiffusersVAE(FrozenVAE):
             self._mean_values = _config_get(cfg, "shift_factor")
         self._freeze()
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.vae.parameters()).dtype
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.vae.parameters()).device
-
     def _stats(self, latents: Tensor) -> tuple[Tensor | float, Tensor | float]:
         frames = latents.shape[2] if latents.ndim == 5 else None
         mean = _channel_stats(self._mean_values, self.latent_channels, frames)

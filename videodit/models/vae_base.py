@@ -59,6 +59,15 @@ class FrozenVAE(nn.Module):
         self.requires_grad_(False)
         self.eval()
 
+    @property
+    def dtype(self):
+        """The dtype of the weights (``vae.dtype``); adapters with weights only."""
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self):
+        return next(self.parameters()).device
+
     def train(self, mode: bool = True) -> "FrozenVAE":
         # A parent model calling .train() must not flip dropout/norm layers of the frozen VAE.
         return super().train(False)

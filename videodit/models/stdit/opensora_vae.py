@@ -71,14 +71,6 @@ class OpenSoraVAE(FrozenVAE):
         self.temporal_compression = temporal.time_factor
         self._freeze()
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.temporal.parameters()).dtype
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.temporal.parameters()).device
-
     def latent_size(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
         s = self.spatial_compression
         return latent_frames(num_frames, self.chunk, self.temporal_compression), height // s, width // s

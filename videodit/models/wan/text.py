@@ -79,10 +79,6 @@ class UMT5TextEncoder(FrozenTextEncoder):
         self.clean = clean
         self._freeze()
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
     @torch.no_grad()
     def encode(self, captions: list[str]) -> tuple[Tensor, Tensor]:
         captions = as_caption_list(captions)

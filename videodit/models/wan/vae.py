@@ -66,14 +66,6 @@ class WanVAE(FrozenVAE):
         self.register_buffer("latents_inv_std", (1.0 / std).reshape(1, -1, 1, 1, 1), persistent=False)
         self._freeze()
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.vae.parameters()).dtype
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.vae.parameters()).device
-
     def latent_size(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
         r, s = self.temporal_compression, self.spatial_compression
         if num_frames < 1 or (num_frames - 1) % r:
