@@ -11,7 +11,8 @@ What a spec answers, grouped as the system asks:
 * **build**: a geometry (the model's arguments, a frozen dataclass) from the config and the
   encoders' sizes, the module from a geometry (meta-device friendly), the config.json of a
   model folder and back, the latent channels of a state dict;
-* **weights**: which released layouts it reads (``load_released``) and writes (``exporters``);
+* **weights**: which released layouts it reads (``read_released``, ``load_released``) and
+  writes (``export_released``);
 * **geometry**: the patch, the token grid of a latent clip;
 * **objective**: the model inputs of a training or sampling step (:class:`Conditions`),
   the unconditional branch of classifier-free guidance;
@@ -217,7 +218,18 @@ class ModelSpec:
     # ------------------------------------------------------------------ blocks and parallelism
 
     def pipeline_stage(self, model: nn.Module, block_ids, *, first: bool, last: bool) -> nn.Module:
+        """The model restricted to the blocks ``block_ids`` (its parts keep their names), with the
+        embedding when ``first`` and the output layer when ``last``."""
         raise NotImplementedError(f"{self.family}: no pipeline stages")
+
+    def stage_io(self, stage: nn.Module, inputs: tuple, microbatches: int) -> dict:
+        """Meta tensors of one micro-batch's stage inputs and outputs (``input_args``,
+        ``output_args``), from the model inputs of the whole batch."""
+        raise NotImplementedError
+
+    def stage_latents(self, output: torch.Tensor, latent_shape, geometry) -> torch.Tensor:
+        """The last stage's output as the model's output (latents of ``latent_shape``)."""
+        raise NotImplementedError
 
     def tensor_parallel_plan(self) -> TensorParallelPlan:
         raise NotImplementedError
