@@ -176,3 +176,19 @@ def test_bad_compile_options_fail_at_load():
         load_config("tiny", ["train.compile_dynamic=sometimes"])
     with pytest.raises(UserError, match="train.compile_backend"):
         load_config("tiny", ["train.compile_backend=tensorrt"])
+
+
+def test_wan_blocks_compile_one_graph_for_every_bucket(mixed_toy, tmp_path):
+    """Wan's blocks compile too (the family names their dynamic dimensions): its blocks see a
+    token sequence [B, L, D], so under ``auto`` one graph serves all four bucket shapes, images
+    included (STDiT's frame axis specialises at one frame), and training follows eager."""
+    run = overrides(mixed_toy, MIXED_BUCKETS, **{"model.preset": "wan-tiny", "model.depth": 2,
+                                                 "train.ema_decay": 0, "memory.checkpointing": "selective"})
+    eager, want, shapes = train(run, tmp_path / "eager", 6)
+    compiled, got, compiled_shapes = train(run + ["train.compile=true", "train.compile_backend=aot_eager"],
+                                           tmp_path / "c", 6)
+    assert compiled_shapes == shapes and len(set(shapes)) == 4, shapes
+    assert got == pytest.approx(want, rel=1e-5)
+    assert max_weight_difference(compiled.model, eager.model) < 1e-5
+    graphs = compiled.parallel.compile_stats.by_kind()
+    assert graphs.keys() == {"block"} and len(graphs["block"]) == 1, graphs

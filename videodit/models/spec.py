@@ -234,6 +234,15 @@ class ModelSpec:
     def tensor_parallel_plan(self) -> TensorParallelPlan:
         raise NotImplementedError
 
+    def block_kind(self, block: nn.Module) -> str:
+        """The kind of a repeated block (blocks of one kind share compiled graphs)."""
+        return "block"
+
+    def dynamic_dims(self, args: tuple) -> list[tuple[torch.Tensor, list[int]]]:
+        """(tensor, dims) of a block's positional inputs whose sizes change between buckets
+        (batch, frames, positions or tokens): ``train.compile_dynamic`` marks them dynamic."""
+        raise NotImplementedError
+
     def num_blocks(self, depth: int) -> int:
         """How many repeated blocks ``model.depth`` gives."""
         return depth

@@ -1,7 +1,7 @@
 """Regional compilation: ``torch.compile`` on every transformer block, applied from outside.
 
 As torchtitan's ``apply_compile``, each block is compiled on its own (the blocks repeat, so
-two graphs, spatial and temporal, serve all of them), in torchtitan's place: after sequence
+one graph per block kind serves all of them: STDiT's spatial and temporal, Wan's one), in torchtitan's place: after sequence
 parallelism and activation checkpointing, before FSDP2/DDP (torchtitan also compiles after
 tensor parallelism; torch 2.13 gets DTensor blocks wrong, so ``ParallelDims.check_compile``
 refuses TP with compile). What is compiled is the
@@ -15,7 +15,7 @@ checkpoints are unchanged (nothing is re-registered, no ``_orig_mod.`` prefix).
 
 Bucketed data changes the block input shapes between batches: batch, frames and positions
 per frame (the caption length is fixed). ``dynamic`` marks those dimensions dynamic before
-each call, so one graph per block kind serves every video bucket; sizes 0 and 1 are always
+each call (which ones, the family says: ``ModelSpec.dynamic_dims``), so one graph per block kind serves every video bucket; sizes 0 and 1 are always
 specialised, so image buckets (one frame) and batches of one get a graph of their own.
 ``static`` compiles one graph per bucket shape (specialised kernels, for a few buckets);
 ``auto`` is ``dynamic`` when the data has more than one bucket shape, else ``static``.
@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from videodit.errors import UserError
+from videodit.models.families import spec_of
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 DYNAMIC = ("auto", "dynamic", "static")
@@ -91,34 +92,22 @@ def _graphs_so_far() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def _mark_dynamic(x, y, y_mask, t_mod, rope) -> None:
-    """Batch, frames and positions of the token grid [B, T, S, D], the batch of the caption and
-    the conditioning (and its frames when it is per frame: [B, T, 6, D]) are dynamic; ``maybe``
-    lets sizes 0 and 1 specialise instead of failing."""
-    mark = torch._dynamo.maybe_mark_dynamic
-    mark(x, [0, 1, 2])
-    mark(t_mod, [0, 1] if t_mod.dim() == 4 else 0)
-    for t in (y, y_mask):
-        mark(t, 0)
-    if rope is not None:
-        for t in rope:
-            mark(t, 0)   # one row per frame
-
-
-def compile_block(block: nn.Module, options: CompileOptions, stats: CompileStats) -> None:
-    """Replace ``block.forward`` (on the instance) by its compiled version."""
-    kind = "temporal" if getattr(block, "temporal", False) else "spatial"
+def compile_block(block: nn.Module, options: CompileOptions, stats: CompileStats, spec) -> None:
+    """Replace ``block.forward`` (on the instance) by its compiled version. ``spec`` (the model's
+    family) names the block's kind and which dimensions of its inputs vary between buckets."""
+    kind = spec.block_kind(block)
     compiled = torch.compile(block.forward, backend=options.backend, fullgraph=options.fullgraph,
                              dynamic=False if options.dynamic == "static" else None)
     dynamic = options.dynamic == "dynamic"
 
     @functools.wraps(block.forward)
-    def forward(x, y, y_mask, t_mod, rope=None):
-        if dynamic:
-            _mark_dynamic(x, y, y_mask, t_mod, rope)
+    def forward(*args):
+        if dynamic:   # ``maybe``: sizes 0 and 1 may specialise instead of failing
+            for tensor, dims in spec.dynamic_dims(args):
+                torch._dynamo.maybe_mark_dynamic(tensor, dims)
         before = _graphs_so_far()
-        out = compiled(x, y, y_mask, t_mod, rope)
-        stats.graphs.extend([(kind, tuple(x.shape))] * (_graphs_so_far() - before))
+        out = compiled(*args)
+        stats.graphs.extend([(kind, tuple(args[0].shape))] * (_graphs_so_far() - before))
         return out
 
     block.forward = forward
@@ -135,8 +124,9 @@ def apply_compile(model: nn.Module, options: CompileOptions, *, shapes: int = 1)
     options = options.resolved(shapes)
     _raise_recompile_limit(2 * shapes + 8)
     stats = CompileStats()
+    spec = spec_of(model)
     for block in model.blocks:
-        compile_block(block, options, stats)
+        compile_block(block, options, stats, spec)
     return stats
 
 

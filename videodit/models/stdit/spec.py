@@ -131,6 +131,18 @@ class StditSpec(ModelSpec):
                                         "t_block.1": "colwise_gathered"},
                                   partial=("q_norm", "k_norm"))
 
+    def block_kind(self, block) -> str:
+        return "temporal" if block.temporal else "spatial"
+
+    def dynamic_dims(self, args):
+        """STBlock(x [B, T, S, D], y, y_mask, t_mod [B, 6, D] or per frame [B, T, 6, D], rope): batch,
+        frames and positions; the caption's and the modulation's batch (and frames); RoPE's rows
+        (one per frame)."""
+        x, y, y_mask, t_mod, *rest = args
+        rope = rest[0] if rest else None
+        dims = [(x, [0, 1, 2]), (t_mod, [0, 1] if t_mod.dim() == 4 else [0]), (y, [0]), (y_mask, [0])]
+        return dims + ([(t, [0]) for t in rope] if rope is not None else [])
+
     def num_blocks(self, depth: int) -> int:
         return 2 * depth   # depth counts spatial + temporal pairs, as STDiT3 does
 

@@ -144,6 +144,12 @@ class WanSpec(ModelSpec):
                                   root={"text_embedding.0": "colwise", "text_embedding.2": "rowwise"},
                                   sharded_norms=("norm_q", "norm_k"))
 
+    def dynamic_dims(self, args):
+        """WanBlock(x [B, L, D], e0 [B, 6, D] or per token [B, L, 6, D], context, rope [L, ...]):
+        batch and tokens, the modulation's and the text's batch, RoPE's rows."""
+        x, e0, context, rope = args
+        return [(x, [0, 1]), (e0, [0, 1] if e0.dim() == 4 else [0]), (context, [0]), (rope, [0])]
+
     def check_sequence_parallel(self, num_heads: int, *, tp: int, sp: int, ring: int) -> None:
         """Ulysses splits each TP rank's heads sp/ring ways; ring attention takes any size."""
         if sp % ring:
