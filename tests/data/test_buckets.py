@@ -80,6 +80,8 @@ def test_tables_are_ascending_with_opensora_sizes():
             side = int(name[:-2])
             assert table["1.00"] == (side, side) and len(table) == 5
             assert all(h % 4 == 0 and w % 4 == 0 for h, w in table.values())
+        elif name.startswith("wan"):   # Wan's sizes: test_wan_resolutions
+            assert len(table) == 5
         else:
             assert len(table) == (40 if name in ("256", "512", "1024", "2048", "2880") else 17)
 
@@ -419,3 +421,24 @@ def test_input_errors(kwargs, match):
         assign_buckets(args.pop("num_frames"), args.pop("heights"), args.pop("widths"),
                        args.pop("config"), **args)
     assert "\n" not in str(err.value)
+
+
+# ----------------------------------------------------------------------------- Wan 2.1's sizes
+
+WAN_BUCKETS = {"wan720p": {81: (1.0, 1)}, "wan480p": {1: (1.0, 8), 81: (1.0, 2)}}
+
+
+@pytest.mark.parametrize("t, h, w, expected", [
+    (97, 480, 854, ("wan480p", 81, "0.58", 480, 832)),     # 16:9 480p video -> Wan's 832x480
+    (97, 854, 480, ("wan480p", 81, "1.73", 832, 480)),     # and upright
+    (97, 720, 1280, ("wan720p", 81, "0.56", 720, 1280)),   # 720p keeps its size
+    (97, 720, 960, ("wan480p", 81, "0.76", 544, 720)),     # 4:3 at 691,200 px: below 0.8 x 720p
+    (1, 1000, 1000, ("wan480p", 1, "1.00", 624, 624)),     # a square image
+])
+def test_wan_resolutions(t, h, w, expected):
+    """Wan's sizes as bucket resolutions: landscape and portrait as Wan samples them, 4:3 and
+    square at the same pixel count, every side a multiple of 16 (VAE 8 x patch 2). A clip must
+    be longer than a bucket's length, as in Open-Sora: 97 frames for the 81-frame buckets."""
+    assert assign_one(WAN_BUCKETS, t, h, w) == expected
+    assert all(side % 16 == 0 for name in ("wan480p", "wan720p") for hw in ASPECT_RATIOS[name].values()
+               for side in hw)

@@ -1,7 +1,8 @@
 """Resolution tables: every resolution name, its pixel count and its aspect-ratio sizes.
 
 Open-Sora 1.2's tables (some built from a formula, some hand-edited as shipped), PixArt's
-tables that Open-Sora reuses, and videodit's own small "Npx" tables for CPU and toy runs.
+tables that Open-Sora reuses, videodit's own small "Npx" tables for CPU and toy runs, and
+Wan 2.1's sizes ("wan480p": 832x480, "wan720p": 1280x720, either way up).
 Also Open-Sora 1.2's stage-1 ``bucket_config``, the reference workload.
 """
 
@@ -69,6 +70,8 @@ RESOLUTION_NAMES: tuple[str, ...] = (
     # videodit's own small resolutions for CPU and toy runs (not in Open-Sora): "Npx" has
     # N*N pixels and sides that are multiples of 4.
     "16px", "24px", "32px", "48px", "64px", "96px", "128px",
+    # Wan 2.1's sizes (not in Open-Sora; see _wan_table).
+    "wan480p", "wan720p",
 )
 
 # Aspect ratios of the small "Npx" tables: the common video and photo shapes.
@@ -121,6 +124,22 @@ def _small_table(side: int) -> dict[str, tuple[int, int]]:
     return table
 
 
+# Wan 2.1's released sizes, (height, width): wan/configs SUPPORTED_SIZES, "832*480" and
+# "1280*720" landscape plus their portrait turns.
+_WAN_SIZES: dict[str, tuple[int, int]] = {"wan480p": (480, 832), "wan720p": (720, 1280)}
+
+
+def _wan_table(name: str) -> dict[str, tuple[int, int]]:
+    """Wan's landscape and portrait size, and 4:3, 1:1 and 3:4 shapes at about the same pixel
+    count with sides that are multiples of 16 (the VAE's 8 x the patch's 2)."""
+    h, w = _WAN_SIZES[name]
+    side = int(round(math.sqrt(h * w) / 16)) * 16
+    four_three = int(round(math.sqrt(h * w * 3 / 4) / 16)) * 16
+    landscape_43 = (four_three, int(round(four_three * 4 / 3 / 16)) * 16)
+    sizes = [(h, w), (w, h), (side, side), landscape_43, landscape_43[::-1]]
+    return dict(sorted((f"{a / b:.2f}", (a, b)) for a, b in sizes))
+
+
 def _build_tables() -> tuple[dict[str, int], dict[str, dict[str, tuple[int, int]]]]:
     pixels: dict[str, int] = {}
     tables: dict[str, dict[str, tuple[int, int]]] = {}
@@ -128,6 +147,8 @@ def _build_tables() -> tuple[dict[str, int], dict[str, dict[str, tuple[int, int]
         if name.endswith("px"):
             side = int(name[:-2])
             pixels[name], tables[name] = side * side, _small_table(side)
+        elif name in _WAN_SIZES:
+            pixels[name], tables[name] = math.prod(_WAN_SIZES[name]), _wan_table(name)
         elif name in _OPENSORA_PIXELS:
             pixels[name], tables[name] = _OPENSORA_PIXELS[name], _opensora_table(name)
         else:
