@@ -20,7 +20,9 @@ def test_dp_shard_fills_the_rest_of_the_world():
     assert d.data_parallel == "fsdp"
     assert dims(4, "parallel.dp_replicate=2").data_parallel == "hsdp"
     assert dims(2, "parallel.dp_shard=1", "parallel.dp_replicate=2").data_parallel == "ddp"
-    assert dims(2, "parallel.sp=2").data_parallel == "ddp"   # SP ranks still average gradients
+    # dp_shard=-1 shards over the SP ranks even when they are all the ranks; 1 keeps DDP.
+    assert dims(2, "parallel.sp=2").data_parallel == "fsdp"
+    assert dims(2, "parallel.sp=2", "parallel.dp_shard=1").data_parallel == "ddp"   # SP ranks average gradients
     assert dims(1).data_parallel == "none"
 
 
@@ -67,7 +69,7 @@ def test_tensor_and_pipeline_parallel_replace_ddp_by_fsdp():
 
 def pipeline(world, *overrides, depth=4):
     d = dims(world, *overrides)
-    return d.check_pipeline(load_config("tiny", list(overrides)).parallel, depth=depth)
+    return d.check_pipeline(load_config("tiny", list(overrides)).parallel, blocks=2 * depth)
 
 
 def test_pipeline_options_resolve_and_bad_ones_name_the_fix():

@@ -67,7 +67,10 @@ def test_planner_matches_measurement_on_one_process(name, toy_dir, tmp_path):
 
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
 def test_planner_matches_measurement_with_sequence_parallel(checkpointing, toy_dir):
-    overrides = preset_overrides(toy_dir, "tiny", **{"parallel.sp": 2, "memory.checkpointing": checkpointing})
+    # dp_shard=1: the SP ranks replicate the weights (DDP), so the activations are SP's alone;
+    # FSDP's gathered weights would count there too, where LiveMemory files them.
+    overrides = preset_overrides(toy_dir, "tiny", **{"parallel.sp": 2, "parallel.dp_shard": 1,
+                                                     "memory.checkpointing": checkpointing})
     spec = json.dumps({"overrides": overrides, "shape": [4, 8, 16, 16]})
     result = torchrun(2, str(WORKER), spec)
     assert result.returncode == 0, result.stderr[-3000:]

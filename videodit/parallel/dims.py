@@ -41,6 +41,9 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    # parallel.dp_shard=-1 ("every rank left over"): shard over the SP ranks too, even when no
+    # other rank is left (sp = world size), so that every GPU holds a shard, not the model.
+    shard_over_sp: bool = False
 
     # ------------------------------------------------------------------ construction
 
@@ -60,7 +63,7 @@ class ParallelDims:
                     f"{world_size}; choose sizes whose product divides {world_size} (divisors: "
                     f"{_listing(divisors(world_size))})")
             dp_shard = world_size // other
-        dims = cls(dp_shard=dp_shard, world_size=world_size, **fixed)
+        dims = cls(dp_shard=dp_shard, world_size=world_size, shard_over_sp=cfg.dp_shard == -1, **fixed)
         total = other * dp_shard
         if total != world_size:
             raise UserError(
@@ -82,7 +85,7 @@ class ParallelDims:
         if self.pp > blocks:
             raise UserError(f"parallel.pp={self.pp} exceeds the model's {blocks} blocks; valid: 1 to {blocks}")
 
-    def check_pipeline(self, cfg: ParallelConfig, *, depth: int) -> tuple[int, int]:
+    def check_pipeline(self, cfg: ParallelConfig, *, blocks: int) -> tuple[int, int]:
         """Check the pipeline options; return (stages per rank, micro-batches per step)."""
         interleaved = cfg.pp_schedule == "interleaved_1f1b"
         per_rank = cfg.pp_stages_per_rank or (2 if interleaved else 1)
@@ -98,9 +101,9 @@ class ParallelDims:
         if not interleaved and per_rank != 1:
             raise UserError(f"parallel.pp_stages_per_rank={per_rank} needs parallel.pp_schedule=interleaved_1f1b; "
                             f"{cfg.pp_schedule} runs one stage per rank")
-        if self.pp * per_rank > 2 * depth:
+        if self.pp * per_rank > blocks:
             raise UserError(f"parallel.pp={self.pp} x pp_stages_per_rank={per_rank} = {self.pp * per_rank} stages "
-                            f"but the model has {2 * depth} blocks; lower one of them")
+                            f"but the model has {blocks} blocks; lower one of them")
         if cfg.pp_schedule != "gpipe" and (microbatches < self.pp or microbatches % self.pp):
             raise UserError(f"parallel.pp_microbatches={microbatches}: {cfg.pp_schedule} needs a multiple of "
                             f"parallel.pp={self.pp}; valid: {', '.join(str(self.pp * k) for k in range(1, 5))}, ...")
@@ -126,8 +129,9 @@ class ParallelDims:
 
     @property
     def data_parallel(self) -> str:
-        """How gradients are shared: none (one rank), ddp, fsdp or hsdp."""
-        if self.dp_shard > 1:
+        """How gradients are shared: none (one rank), ddp, fsdp or hsdp. FSDP shards over the
+        dp_shard x sp ranks; with ``dp_shard=-1`` that holds when only SP ranks are left."""
+        if self.dp_shard > 1 or (self.sp > 1 and self.shard_over_sp):
             return "hsdp" if self.dp_replicate > 1 else "fsdp"
         if self.dp_replicate * self.sp == 1:
             return "none"

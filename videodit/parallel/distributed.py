@@ -150,9 +150,10 @@ def init_distributed(cfg: Config) -> DistContext:
     world = launched_world_size()
     dims = ParallelDims.from_config(cfg.parallel, world)
     m = cfg.model
-    dims.check_model(num_heads=m.num_heads, hidden_size=m.hidden_size, depth=m.depth, spec=get_spec(m.family),
+    spec = get_spec(m.family)
+    dims.check_model(num_heads=m.num_heads, hidden_size=m.hidden_size, depth=m.depth, spec=spec,
                      sp_ring=cfg.parallel.sp_ring)
-    per_rank, microbatches = dims.check_pipeline(cfg.parallel, depth=m.depth)
+    per_rank, microbatches = dims.check_pipeline(cfg.parallel, blocks=spec.num_blocks(m.depth))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(cfg.train.device, local_rank)
     if world == 1:
