@@ -25,8 +25,9 @@ def losses(run_dir):
 
 
 def test_wan_trains_resumes_exactly_and_exports(toy_dir, tmp_path):
+    # 512 caption tokens, as diffusers' pipeline pads them: a diffusers folder cannot say otherwise.
     common = tiny_overrides(toy_dir, **WAN, **{"train.max_steps": 4, "train.deterministic": True,
-                                                "checkpoint.every_steps": 2})
+                                                "checkpoint.every_steps": 2, "text.max_length": 512})
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     Trainer(load_config("tiny", common), straight).fit()
     Trainer(load_config("tiny", common + ["train.max_steps=2"]), resumed).fit()
@@ -40,6 +41,10 @@ def test_wan_trains_resumes_exactly_and_exports(toy_dir, tmp_path):
     assert ours.state_dict().keys() == from_diffusers.state_dict().keys()
     assert all(torch.equal(v, from_diffusers.state_dict()[k]) for k, v in ours.state_dict().items())
     assert main(["ckpt", "export", str(ckpt), str(tmp_path / "os"), "--format", "opensora"]) == 2
+    short = tmp_path / "short"   # 8 caption tokens: Wan's layout only, in one line
+    Trainer(load_config("tiny", common + ["text.max_length=8", "train.max_steps=1"]), short).fit()
+    assert main(["ckpt", "export", str(short), str(tmp_path / "d8"), "--format", "diffusers"]) == 2
+    assert not (tmp_path / "d8").exists()
 
 
 def test_wan_samples_with_unipc_and_a_negative_prompt():

@@ -149,6 +149,15 @@ def wan_config(g: WanGeometry) -> dict:
             "num_heads": g.num_heads, "num_layers": g.num_layers, "out_dim": g.out_channels, "text_len": g.text_len}
 
 
+def check_diffusers_writable(geometry: WanGeometry) -> None:
+    """diffusers' folder cannot say what it does not have: a model without q/k norms, or whose
+    captions are padded to other than 512 tokens, would load as a different model."""
+    if not geometry.qk_norm or geometry.text_len != DIFFUSERS_TEXT_LEN:
+        raise UserError("diffusers' WanTransformer3DModel always has q/k norms and its pipeline pads captions to "
+                        f"{DIFFUSERS_TEXT_LEN} tokens; this model (qk_norm={geometry.qk_norm}, "
+                        f"text_len={geometry.text_len}) can only be written with layout=wan (--format wan)")
+
+
 def diffusers_config(g: WanGeometry) -> dict:
     return {"_class_name": "WanTransformer3DModel", "_diffusers_version": "0.33.0",
             "patch_size": list(g.patch_size), "num_attention_heads": g.num_heads, "attention_head_dim": g.head_dim,
@@ -320,10 +329,8 @@ def write_wan_folder(state: Mapping[str, torch.Tensor], geometry: WanGeometry, o
     ``.index.json`` (a tensor larger than that gets a shard of its own)."""
     if layout not in LAYOUTS:
         raise UserError(f"layout={layout!r} is not a Wan layout; choose one of: {', '.join(LAYOUTS)}")
-    if layout == "diffusers" and (not geometry.qk_norm or geometry.text_len != DIFFUSERS_TEXT_LEN):
-        raise UserError("diffusers' WanTransformer3DModel always has q/k norms and its pipeline pads captions to "
-                        f"{DIFFUSERS_TEXT_LEN} tokens; this model (qk_norm={geometry.qk_norm}, "
-                        f"text_len={geometry.text_len}) can only be written with layout=wan")
+    if layout == "diffusers":
+        check_diffusers_writable(geometry)
     with torch.device("meta"):
         expected = WanDiT(geometry).state_dict()
     check_tensors(state, expected, "the state to write")

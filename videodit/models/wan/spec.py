@@ -94,6 +94,7 @@ class WanSpec(ModelSpec):
 
     def export_released(self, fmt: str, geometry: WanGeometry, tensors):
         if fmt == "diffusers":
+            layouts.check_diffusers_writable(geometry)
             return layouts.to_diffusers(tensors), {"config.json": json.dumps(layouts.diffusers_config(geometry),
                                                                              indent=2) + "\n"}, layouts.WEIGHTS_NAME
         return dict(tensors), {"config.json": json.dumps(layouts.wan_config(geometry), indent=2) + "\n"}, \
