@@ -169,11 +169,12 @@ class Planner:
                    {"memory": {"checkpointing": "full", "checkpoint_every": 1, "checkpoint_fraction": 1.0}})
         full = {"checkpointing": "full", "checkpoint_every": 1, "checkpoint_fraction": 1.0}
         for sp in (2, 4, 8, 16):
-            if sp > p.sp and heads % (sp * p.tp) == 0:
-                # More SP ranks: FSDP (if used) shards over them as well.
-                shard = p.shard // p.sp * sp if p.shard > 1 else 1
+            # On the same GPUs (FSDP shards over dp_shard x sp, a fixed number), or on sp GPUs
+            # where there is one: the default dp_shard=-1 then shards over the SP ranks.
+            same_gpus = p.shard > 1
+            if sp > p.sp and heads % (sp * p.tp) == 0 and (not same_gpus or p.shard % sp == 0):
                 yield (f"parallel.sp={sp} with memory.checkpointing=full",
-                       {"memory": full, "parallel": {"sp": sp, "shard": shard}})
+                       {"memory": full, "parallel": {"sp": sp, "shard": p.shard if same_gpus else sp}})
         yield ("memory.offload=true with memory.checkpointing=selective",
                {"memory": {"checkpointing": "selective", "offload": True}})
         if p.shard > 1:
