@@ -14,6 +14,7 @@ from the end of forward until backward starts) and the peak.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import Callable
 
@@ -93,6 +94,9 @@ def measure_step(model: torch.nn.Module, forward_loss: Callable[[], torch.Tensor
         p.grad = None
     with LiveMemory() as tracker:
         loss = forward_loss()
+        # Reference cycles that forward left behind are garbage, not activations; whether
+        # Python's collector has run yet is chance (it made the sp=2 measurement flaky).
+        gc.collect()
         activations = tracker.live
         loss.backward()
         del loss
