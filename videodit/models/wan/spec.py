@@ -15,6 +15,7 @@ import json
 import torch
 from torch import nn
 
+from videodit.config.schema import LORA_TARGETS
 from videodit.errors import UserError
 from videodit.models.flop_count import FlopCount
 from videodit.models.spec import ActivationDims, Conditions, ModelSpec, TensorParallelPlan
@@ -42,7 +43,7 @@ class WanSpec(ModelSpec):
     geometry_type = WanGeometry
     sequence_parallel = "full_attention"
     released_encoders = (16, 4096, 512)   # Wan 2.1's VAE, umT5-XXL at 512 tokens
-    lora_targets = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "ffn.0", "ffn.2")
+    lora_targets = tuple(LORA_TARGETS["wan"])   # lora.targets' default (config/schema.py)
     released_name = "Wan 2.1 (Wan's or diffusers' folder)"
     released_format = "wan2.1"
     released_short = "Wan"
