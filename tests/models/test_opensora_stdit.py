@@ -152,12 +152,16 @@ def _edit_config(folder: Path, **changes) -> None:
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(caption_channels=8), "y_embedder.y_embedding is (12, 16) but the config needs (12, 8)"),
-    (dict(depth=3), "no tensor spatial_blocks.2."),
-    (dict(depth=1), "lacks (spatial_blocks.1."),
+    (dict(caption_channels=8), "config.json gives caption_channels=8 but the weights hold 16"),
+    (dict(depth=3), "config.json gives depth=3 but the weights hold 2"),
+    (dict(depth=1), "config.json gives depth=1 but the weights hold 2"),
+    # Checked against the weights before anything is built: no hang, no traceback.
+    (dict(depth=10**6), "config.json gives depth=1000000 but the weights hold 2"),
+    (dict(hidden_size="32"), "config.json gives hidden_size='32' but the weights hold 32"),
+    (dict(mlp_ratio=float("nan")), "config.json gives mlp_ratio=nan"),
     (dict(model_type="SomethingElse", architectures=["SomethingElse"]), "'SomethingElse' model"),
 ])
-def test_mismatched_config_is_one_line_naming_the_tensor(tmp_path, change, message):
+def test_mismatched_config_is_one_line_naming_the_size(tmp_path, change, message):
     folder = _copy_fixture(tmp_path)
     _edit_config(folder, **change)
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:

@@ -207,8 +207,13 @@ def test_bad_weights_fail_in_one_line(tmp_path, edit, words):
 
 @pytest.mark.parametrize("config_edit, words", [
     ({"model_type": "i2v"}, ["i2v", "t2v"]),
-    ({"ffn_dim": 256}, ["blocks.0.ffn.0.weight", "config.json"]),
+    ({"ffn_dim": 256}, ["ffn_dim=256", "hold 128", "config.json"]),
     ({"_class_name": "UNet"}, ["neither"]),
+    # Crafted sizes are checked against the weights' headers before anything is built.
+    ({"num_layers": 10**6}, ["num_layers=1000000", "hold 2"]),
+    ({"dim": "64"}, ["not sizes"]),
+    ({"num_heads": 0}, ["not sizes"]),
+    ({"num_heads": 10**9}, ["num_heads=1000000000"]),
 ])
 def test_bad_config_fails_in_one_line(tmp_path, config_edit, words):
     folder = broken_copy(tmp_path, lambda s: None)

@@ -12,7 +12,7 @@ once with ``bad_rows="error"``.
 
 The node cache (``cache=FOLDER``, or ``"auto"``: ``~/.cache/videodit/metadata`` for files of 64
 MiB or more). The checked table is written once, as Arrow IPC plus raw numeric columns, into
-``FOLDER/KEY/`` (KEY: the file's size, mtime, a sampled content hash and this reader's code;
+``FOLDER/KEY/`` (KEY: the file's inode, ctime, size, mtime, a sampled content hash and this reader's code;
 ``data/node_cache.py``). The first local rank
 (``LOCAL_RANK`` 0) builds it under a file lock; the other local ranks wait on the lock, then
 every rank memory-maps the same files, so node memory holds one copy however many ranks read

@@ -79,8 +79,30 @@ def read_opensora(path: str | Path, ema: bool = False) -> tuple[dict, dict[str, 
 def opensora_state(path: str | Path, ema: bool = False) -> tuple[DiTGeometry, dict[str, torch.Tensor]]:
     """The videodit geometry and state dict of the Open-Sora weights at ``path`` (checked)."""
     config, state = read_opensora(path, ema)
+    check_config_sizes(config, state, Path(path))
     geometry = geometry_from_opensora(config)
     return geometry, from_opensora(state, geometry, pred_sigma=bool(config.get("pred_sigma", True)))
+
+
+# What a config.json says that the weights also say (config_from_weights reads them off the shapes).
+_SIZE_KEYS = ("in_channels", "patch_size", "hidden_size", "depth", "num_heads", "mlp_ratio", "caption_channels",
+              "model_max_length")
+
+
+def check_config_sizes(config: dict, state: dict[str, torch.Tensor], path: Path) -> None:
+    """A config.json's sizes against the weights', before any model is built: one that asks for a
+    million blocks (or strings, NaN, another width) is refused in one line instead of building."""
+    try:
+        found = config_from_weights(state)
+    except UserError:
+        return   # not the keys config_from_weights reads: check_state names what is missing
+    for key in _SIZE_KEYS:
+        given = config.get(key, found[key])
+        given = list(given) if isinstance(given, (list, tuple)) else given
+        if given != found[key]:
+            shown = repr(given) if len(repr(given)) <= 40 else repr(given)[:40] + "..."
+            raise UserError(f"{path}: config.json gives {key}={shown} but the weights hold {found[key]}; fix or "
+                            "restore config.json")
 
 
 def load_opensora(path: str | Path, ema: bool = False, device: str | torch.device = "cpu") -> STDiT:

@@ -279,8 +279,39 @@ def read_wan_folder(path: str | Path) -> tuple[WanGeometry, LazyTensors]:
         shapes = {name: tensors.shape(name) for name in
                   ("text_embedding.0.weight", "patch_embedding.weight") if name in tensors}
         shapes.update({name: () for name in tensors if name.startswith("blocks.0.")})
-        return geometry_from_wan_config(config, shapes, config_file), tensors
-    return geometry_from_diffusers_config(config, config_file), tensors
+        build = lambda: geometry_from_wan_config(config, shapes, config_file)   # noqa: E731
+    else:
+        build = lambda: geometry_from_diffusers_config(config, config_file)   # noqa: E731
+    try:
+        geometry = build()
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as exc:   # strings, zero heads, NaN, ...
+        raise UserError(f"{config_file} has values that are not sizes ({_short(exc)}); restore the config.json "
+                        "of the Wan download") from None
+    check_sizes(geometry, tensors, config_file)
+    return geometry, tensors
+
+
+def _short(exc: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def check_sizes(geometry: WanGeometry, tensors: "LazyTensors", config_file: Path) -> None:
+    """The config's sizes against the weights' headers, before anything is built: a config.json
+    asking for a million layers (or another width) than the weights hold is refused in one line."""
+    blocks = {int(name.split(".")[1]) for name in tensors if name.startswith("blocks.")}
+    found = {"num_layers": len(blocks)}
+    if "patch_embedding.weight" in tensors:
+        shape = tensors.shape("patch_embedding.weight")
+        found.update(dim=shape[0], in_channels=shape[1])
+    if "blocks.0.ffn.0.weight" in tensors:
+        found["ffn_dim"] = tensors.shape("blocks.0.ffn.0.weight")[0]
+    if "text_embedding.0.weight" in tensors:
+        found["text_dim"] = tensors.shape("text_embedding.0.weight")[1]
+    for key, value in found.items():
+        if getattr(geometry, key) != value:
+            raise UserError(f"{config_file} gives {key}={_short(repr(getattr(geometry, key)), 40)} but the weights "
+                            f"hold {value}; config.json does not match the weights: fix or restore it")
 
 
 def check_tensors(tensors, expected: Mapping[str, torch.Tensor], where: str) -> None:
