@@ -8,6 +8,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -361,3 +362,60 @@ def test_bucket_assignment_is_unchanged(tmp_path):
     legacy = fingerprint(ref["paths"], ref["num_frames"], ref["heights"], ref["widths"],
                          plan.config.to_dict(), cfg.data.frame_interval)
     assert plan.legacy_fingerprint() == legacy and plan.fingerprint != legacy
+
+
+# ---------------------------------------------------------------------------- the node cache key
+
+
+def _sparse_key(monkeypatch):
+    """Hash only 4 blocks of 64 bytes, as a large file's 64 blocks of 64 KiB cover a small part
+    of it; returns the offsets of the blocks hashed for a file of ``size`` bytes."""
+    from videodit.data import metadata, node_cache
+    monkeypatch.setattr(metadata, "entry_key", lambda path, version: node_cache.entry_key(path, version, 64, 4))
+    return lambda size: [int(o) for o in np.linspace(0, size - 64, 4)]
+
+
+def _rows_file(path: Path) -> tuple[Path, int, int]:
+    """A CSV of 200 rows, and the byte range of row 40, which lies between hashed blocks."""
+    lines = [HEADER] + [f"v{i:04d}.mp4,caption {i:04d},16,240,320,0.75,24,e" for i in range(200)]
+    write(path, lines)
+    start = len("\n".join(lines[:41])) + 1
+    return path, start, start + len(lines[41])
+
+
+def test_an_edit_between_hashed_blocks_with_its_mtime_restored_is_read_again(tmp_path, monkeypatch):
+    blocks = _sparse_key(monkeypatch)
+    path, start, end = _rows_file(tmp_path / "meta.csv")
+    assert all(o + 64 <= start or o >= end for o in blocks(path.stat().st_size))
+    cache, stat = tmp_path / "cache", path.stat()
+    assert len(read_metadata(path, cache=cache)) == 200
+    with open(path, "r+b") as handle:   # in place, the same length: v0040 gets -1 frames
+        handle.seek(start)
+        row = handle.read(end - start)
+        handle.seek(start)
+        handle.write(row.replace(b",16,", b",-1,"))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))   # as touch -r, cp -p, rsync -t do
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    meta = read_metadata(path, cache=cache)
+    assert meta.read_report.how.startswith("read and cached")
+    assert len(meta) == 199 and meta.bad_rows[0][0] == 42
+    again = read_metadata(path, cache=cache)   # unchanged since: mapped
+    assert again.read_report.how.startswith("mapped from") and len(again) == 199
+
+
+def test_a_copy_put_in_place_with_the_same_mtime_is_read_again(tmp_path, monkeypatch):
+    blocks = _sparse_key(monkeypatch)
+    path, start, end = _rows_file(tmp_path / "meta.csv")
+    cache, stat = tmp_path / "cache", path.stat()
+    read_metadata(path, cache=cache)
+    data = path.read_bytes()
+    edited = write(tmp_path / "edited.csv", [])
+    edited.write_bytes(data[:start] + data[start:end].replace(b"v0040", b"w0040") + data[end:])
+    os.utime(edited, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    shutil.copy2(edited, tmp_path / "meta.csv.tmp")   # new inode, the same size and mtime
+    os.replace(tmp_path / "meta.csv.tmp", path)       # as rsync -t puts a file in place
+    assert path.stat().st_ino != stat.st_ino and path.stat().st_mtime_ns == stat.st_mtime_ns
+    meta = read_metadata(path, cache=cache)
+    assert meta.read_report.how.startswith("read and cached") and meta.path(40) == str(tmp_path / "w0040.mp4")
+    copy = shutil.copy2(path, tmp_path / "copy.csv")   # a copy beside it: its own entry, its own rows
+    assert read_metadata(copy, cache=cache).read_report.how.startswith("read and cached")

@@ -46,10 +46,17 @@ def cache_folder(setting, size: int, auto_bytes: int) -> Path | None:
 
 
 def entry_key(path: Path, version: str, sample: int = 1 << 16, blocks: int = 64) -> str:
-    """A folder name from a file's size, mtime and a hash of its content: 64 evenly spread
-    64 KiB blocks (all of it when smaller), so every rank computes it without a full read."""
+    """A folder name from a file's identity and a hash of its content, so every rank computes
+    it without a full read: its inode and ctime (``st_ctime_ns``: set by the kernel on every
+    write and every ``utime``, and no call sets it back, so an edit whose mtime was restored
+    with ``touch -r``, ``cp -p`` or ``rsync -t`` still changes the key, and a copy or a file
+    put in its place has a new inode), its size and mtime, and 64 evenly spread 64 KiB blocks
+    (all of it when smaller). The device id is left out: an NFS mount's differs from node to
+    node, which would make each node of a shared cache folder build its own entry."""
     stat = path.stat()
-    digest = hashlib.sha256(f"{version}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    _settle(stat.st_ctime_ns)
+    digest = hashlib.sha256(f"{version}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ino}\0"
+                            f"{stat.st_ctime_ns}\0".encode())
     with open(path, "rb") as handle:
         if stat.st_size <= sample * blocks:
             digest.update(handle.read())
@@ -57,6 +64,15 @@ def entry_key(path: Path, version: str, sample: int = 1 << 16, blocks: int = 64)
             handle.seek(int(offset))
             digest.update(handle.read(sample))
     return digest.hexdigest()[:32]
+
+
+def _settle(ctime_ns: int, tick_ns: int = 25_000_000) -> None:
+    """Wait until the kernel's clock has passed a just-changed file's ctime (at most 25 ms),
+    so an edit made after this read cannot be stamped with the same ctime: some file
+    systems stamp with a clock that only moves once per timer tick (1-10 ms)."""
+    wait = ctime_ns + tick_ns - time.time_ns()
+    if 0 < wait <= tick_ns:   # a ctime further ahead is another machine's clock (NFS): no wait helps
+        time.sleep(wait / 1e9)
 
 
 def build_once(entry: Path, build: Callable[[Path], None]) -> bool:
