@@ -29,11 +29,12 @@ from videodit.components import build_encoders
 from videodit.config import Config
 from videodit.data.buckets.plan import BucketPlan
 from videodit.data.dataset import VideoDataset
-from videodit.data.feature_cache.format import (DTYPES, FAILED, FORMAT, INDEX, MANIFEST, MAX_FRAMES, VALIDATION,
-                                                VERSION, bucket_layout, encoder_identity, jsonable, read_manifest,
-                                                remove_leftovers, same_build, write_manifest)
-from videodit.data.feature_cache.writer import (Items, ShardWriter, finish_index, plan_items, shard_count,
-                                                shard_done, shard_slice)
+from videodit.data.feature_cache.format import (DTYPES, FAILED, FORMAT, INDEX, MANIFEST, MAX_FRAMES, SHARDS,
+                                                VALIDATION, VERSION, bucket_layout, encoder_identity, jsonable,
+                                                read_manifest, remove_leftovers, same_build, shard_name,
+                                                write_manifest)
+from videodit.data.feature_cache.writer import (Items, ShardWriter, finish_index, part_problem, plan_items,
+                                                shard_count, shard_done, shard_slice)
 from videodit.data.metadata import read_metadata
 from videodit.data.video import VideoReadError
 from videodit.errors import UserError
@@ -160,16 +161,32 @@ def _prepare(folder: Path, manifest: dict) -> str:
             raise UserError(f"{folder} holds a cache of another build (differs in: {', '.join(differs)}); pick another "
                             "--out, or delete that folder to rebuild it")
         removed = remove_leftovers(folder)
+        damaged = _remove_damaged(folder, manifest)
+        if damaged:
+            (folder / INDEX).unlink(missing_ok=True)   # written again once the damaged shards are
+            (folder / FAILED).unlink(missing_ok=True)
+        repair = (f"; {len(damaged)} damaged shard(s) removed, to encode again: "
+                  f"{', '.join(map(str, damaged[:10]))}{' ...' if len(damaged) > 10 else ''}") if damaged else ""
         if (folder / INDEX).is_file():
-            return f"{folder}: complete already ({manifest['items']} samples), nothing to do"
+            return f"{folder}: complete already ({manifest['items']} samples, every shard checked), nothing to do"
         done = sum(shard_done(folder, s) for s in range(manifest["shards"]))
-        return (f"{folder}: resuming, {done} of {manifest['shards']} shards already written"
-                + (f" ({removed} unfinished file(s) of the interrupted build removed)" if removed else ""))
+        return (f"{folder}: resuming, {done} of {manifest['shards']} shards already written and checked"
+                + (f" ({removed} unfinished file(s) of the interrupted build removed)" if removed else "") + repair)
     if folder.exists() and (not folder.is_dir() or any(p.name != VALIDATION for p in folder.iterdir())):
         raise UserError(f"--out {folder} is not an empty folder and holds no cache; pick a new or empty folder")
     folder.mkdir(parents=True, exist_ok=True)
     write_manifest(folder, manifest)
     return f"{folder}: {manifest['items']} samples in {manifest['shards']} shard(s) of {manifest['shard_size']}"
+
+
+def _remove_damaged(folder: Path, manifest: dict) -> list[int]:
+    """Check every finished shard (SHA-256 and header against its index part); delete the
+    damaged ones' files so that this build encodes them again. Returns their numbers."""
+    damaged = [s for s in range(manifest["shards"]) if shard_done(folder, s) and part_problem(folder, s, manifest)]
+    for s in damaged:   # the index part first: a shard without it is unfinished whatever else is there
+        (folder / SHARDS / f"{shard_name(s)}.parquet").unlink(missing_ok=True)
+        (folder / SHARDS / f"{shard_name(s)}.safetensors").unlink(missing_ok=True)
+    return damaged
 
 
 class _Decode(Dataset):

@@ -207,3 +207,121 @@ def test_wan_encoder_identities_digest_what_the_encoders_read(tmp_path):
     second = identity()
     assert second["vae"]["weights"] != first["vae"]["weights"]
     assert second["text"]["weights"] != first["text"]["weights"]
+
+
+# --------------------------------------------------------------------------- damaged shards
+
+
+@pytest.fixture(scope="module")
+def clean_cache(toy_dir, tmp_path_factory):
+    """A checksummed fp32 cache of 4 shards (54 toy clips, 16 a shard)."""
+    out = tmp_path_factory.mktemp("clean") / "c"
+    build_cache(config(toy_dir), out, shard_size=16, dtype="fp32", log=quiet)
+    return out
+
+
+def strip_checksums(folder):
+    """Make ``folder`` a cache as built before checksums: no records in its Parquet files."""
+    for path in [folder / "index.parquet", *(folder / "shards").glob("*.parquet")]:
+        pq.write_table(pq.read_table(path).replace_schema_metadata(None), path)
+
+
+def damage(folder, how, shard=1):
+    """Flip a data byte of a shard, or edit its header to other valid shapes (same bytes)."""
+    import re
+
+    path = folder / "shards" / f"shard-{shard:05d}.safetensors"
+    data = bytearray(path.read_bytes())
+    if how == "flipped":
+        data[-100] ^= 0xFF
+    else:
+        n = int.from_bytes(data[:8], "little")
+        header = data[8 : 8 + n].decode()
+        m = re.search(r'"shape":\[(\d+),(\d+),(\d+),(\d+)\]', header)
+        assert m.group(1) != m.group(4)
+        header = header[: m.start()] + '"shape":[' + ",".join(reversed(m.groups())) + "]" + header[m.end():]
+        data[8 : 8 + n] = header.encode()
+    path.write_bytes(bytes(data))
+    return path
+
+
+def read_all(folder):
+    cache = FeatureCache(folder)
+    for row in range(len(cache)):
+        cache.tensors(row)
+    return cache
+
+
+@pytest.mark.parametrize("how,old", [("flipped", False), ("header", False), ("header", True)],
+                         ids=["flipped-bytes", "header-shapes", "header-shapes-old-cache"])
+def test_a_damaged_shard_is_refused_in_one_line_at_its_first_read(clean_cache, tmp_path, how, old):
+    folder = tmp_path / "c"
+    shutil.copytree(clean_cache, folder)
+    if old:
+        strip_checksums(folder)
+    read_all(folder)   # intact: every sample reads
+    damage(folder, how)
+    with pytest.raises(UserError) as raised:
+        read_all(folder)
+    message = str(raised.value)
+    assert "\n" not in message and "shard-00001.safetensors is damaged" in message
+    assert f"videodit cache build CONFIG --out {folder}" in message
+    assert ("SHA-256" in message) if how == "flipped" else ("the index says F32 [3, 4, 16, 16]" in message)
+
+
+def test_shards_are_checked_once_per_process(clean_cache, monkeypatch):
+    import videodit.data.feature_cache.verify as verify
+
+    hashed = []
+    monkeypatch.setattr(verify, "sha256_file", lambda path: (hashed.append(path.name), real(path))[1])
+    real = __import__("videodit.checkpoint.writer", fromlist=["sha256_file"]).sha256_file
+    cache = read_all(clean_cache)
+    for row in range(len(cache)):
+        cache.tensors(row)
+    assert sorted(hashed) == [f"shard-0000{s}.safetensors" for s in range(4)]
+
+
+@pytest.mark.parametrize("how", ["flipped", "header"])
+def test_cache_info_reports_damaged_shards(clean_cache, tmp_path, capsys, how):
+    folder = tmp_path / "c"
+    shutil.copytree(clean_cache, folder)
+    assert main(["cache", "info", str(folder), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["checksums"] and info["shards_checked"] == 4 and info["damaged"] == []
+    damage(folder, how, shard=2)
+    damage(folder, "flipped", shard=3)
+    assert main(["cache", "info", str(folder), "--json"]) == 1   # damage: non-zero, for scripts
+    info = json.loads(capsys.readouterr().out)
+    assert [d["shard"] for d in info["damaged"]] == [2, 3]
+    assert main(["cache", "info", str(folder)]) == 1
+    text = capsys.readouterr().out
+    assert "DAMAGED: 2 of 4 shard(s)" in text and "shard-00002.safetensors" in text and "shard-00003" in text
+    assert f"--out {folder}" in text
+
+
+def test_cache_info_says_a_cache_of_before_checksums_is_not_verified(clean_cache, tmp_path, capsys):
+    folder = tmp_path / "c"
+    shutil.copytree(clean_cache, folder)
+    strip_checksums(folder)
+    assert main(["cache", "info", str(folder)]) == 0
+    text = capsys.readouterr().out
+    assert "not verified by checksum" in text and "none damaged" in text
+    damage(folder, "header")
+    assert main(["cache", "info", str(folder), "--json"]) == 1
+    info = json.loads(capsys.readouterr().out)
+    assert not info["checksums"] and [d["shard"] for d in info["damaged"]] == [1]
+
+
+@pytest.mark.parametrize("how", ["flipped", "header"])
+def test_a_build_into_the_same_out_redoes_damaged_shards(toy_dir, clean_cache, tmp_path, how, monkeypatch):
+    folder = tmp_path / "c"
+    shutil.copytree(clean_cache, folder)
+    damage(folder, how)
+    redone, lines = [], []
+    real_write = ShardWriter.write
+    monkeypatch.setattr(ShardWriter, "write", lambda self: (redone.append(self.shard), real_write(self)))
+    build_cache(config(toy_dir), folder, shard_size=16, dtype="fp32", log=lambda *a, **k: lines.append(a[0]))
+    assert redone == [1]
+    assert any("1 damaged shard(s) removed, to encode again: 1" in line for line in lines)
+    assert files(folder) == files(clean_cache)   # repaired byte for byte
+    read_all(folder)

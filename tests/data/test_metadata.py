@@ -404,7 +404,7 @@ def test_an_edit_between_hashed_blocks_with_its_mtime_restored_is_read_again(tmp
 
 
 def test_a_copy_put_in_place_with_the_same_mtime_is_read_again(tmp_path, monkeypatch):
-    blocks = _sparse_key(monkeypatch)
+    _sparse_key(monkeypatch)   # the edit falls between sampled blocks
     path, start, end = _rows_file(tmp_path / "meta.csv")
     cache, stat = tmp_path / "cache", path.stat()
     read_metadata(path, cache=cache)

@@ -186,3 +186,46 @@ def test_real_encoders_from_the_cache_give_the_on_the_fly_losses(family, toy_dir
         with pytest.raises(UserError, match=reason) as info:
             Trainer(load_config("tiny", cached + change), tmp_path / "refused")
         assert "\n" not in str(info.value) and "videodit cache build" in str(info.value)
+
+
+# --------------------------------------------------------------------------- damaged shards
+
+
+def damage_shard(folder, how, shard=0):
+    """Flip a data byte of a shard, or edit its header to other valid shapes (same bytes)."""
+    import re
+
+    path = Path(folder) / "shards" / f"shard-{shard:05d}.safetensors"
+    data = bytearray(path.read_bytes())
+    if how == "flipped":
+        data[-100] ^= 0xFF
+    else:
+        n = int.from_bytes(data[:8], "little")
+        header = data[8 : 8 + n].decode()
+        m = re.search(r'"shape":\[(\d+),(\d+),(\d+),(\d+)\]', header)
+        header = header[: m.start()] + '"shape":[' + ",".join(reversed(m.groups())) + "]" + header[m.end():]
+        data[8 : 8 + n] = header.encode()
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["clean", "flipped", "header", "flipped-in-a-worker"])
+def test_a_damaged_cache_stops_training_in_one_line(toy_dir, tmp_path, how):
+    from videodit.errors import UserError
+
+    workers = 2 if how.endswith("worker") else 0   # found by a DataLoader worker: still one line
+    how = how.split("-")[0]
+    common = tiny_overrides(toy_dir, **{"train.max_steps": 2, "train.deterministic": True,
+                                        "data.num_workers": workers})
+    cache = tmp_path / "cache"
+    build_cache(load_config("tiny", common), cache, dtype="fp32", shard_size=64, log=quiet)   # one shard
+    if how == "clean":   # a checksummed cache trains as the on-the-fly run
+        train(common, tmp_path / "fly")
+        train(common + [f"data.cache={cache}"], tmp_path / "cached")
+        assert_close(losses(tmp_path / "cached"), losses(tmp_path / "fly"))
+        return
+    damage_shard(cache, how)
+    with pytest.raises(UserError) as raised:
+        train(common + [f"data.cache={cache}"], tmp_path / "cached")
+    message = str(raised.value)
+    assert "\n" not in message and "shard-00000.safetensors is damaged" in message
+    assert f"videodit cache build CONFIG --out {cache}" in message

@@ -22,7 +22,7 @@ def cmd_cache_info(ns) -> int:
 
     summary = cache_summary(ns.dir)
     print(json.dumps(summary, indent=1) if ns.json else format_summary(summary))
-    return 0
+    return 1 if summary.get("damaged") else 0   # a damaged cache is not healthy, for scripts too
 
 
 def register(sub) -> None:

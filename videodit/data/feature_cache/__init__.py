@@ -2,8 +2,9 @@
 and read back in training (``data.cache=DIR``) instead of decoding and encoding every step.
 
 ``format.py`` (folder layout, manifest, identities, checks), ``writer.py`` (shards and index),
-``reader.py`` (samples by key, the cached batch, encoder stand-ins), ``training.py`` (training
-and validation loaders), ``info.py`` (``cache info``). The build itself, which needs the
+``reader.py`` (samples by key, the cached batch, encoder stand-ins), ``verify.py`` (each shard's
+SHA-256 and header against the index, checked once per process), ``training.py`` (training and
+validation loaders), ``info.py`` (``cache info``). The build itself, which needs the
 encoders, is ``videodit/cache.py``. docs/feature_cache.md describes the format and decisions.
 """
 

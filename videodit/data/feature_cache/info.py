@@ -8,7 +8,9 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from videodit.data.feature_cache.format import (FAILED, INDEX, SHARDS, VALIDATION, describe_encoder,
-                                                read_manifest)
+                                                read_manifest, shard_name)
+from videodit.data.feature_cache.verify import record_of_part
+from videodit.data.feature_cache.writer import part_problem, shard_done
 
 
 def cache_summary(folder: str | Path) -> dict:
@@ -24,6 +26,7 @@ def cache_summary(folder: str | Path) -> dict:
         "latents": manifest["latents"], "encoders": manifest["encoders"], "latent": {
             k: v for k, v in manifest["latent"].items() if k != "frames"}, "text": manifest["text_geometry"],
         "frame_interval": manifest["layout"]["frame_interval"], "seed": manifest["seed"], "bytes": shard_bytes,
+        **check_shards(folder, manifest),
     }
     if summary["complete"]:
         index = pq.read_table(folder / INDEX)
@@ -55,12 +58,44 @@ def cache_summary(folder: str | Path) -> dict:
     return summary
 
 
+def check_shards(folder: Path, manifest: dict) -> dict:
+    """Every finished shard checked: its SHA-256 (where the build recorded one) and its header
+    against its index part. ``checksums``: whether every finished shard has a recorded SHA-256
+    (False: a cache built before checksums, "not verified")."""
+    finished = [s for s in range(manifest["shards"]) if shard_done(folder, s)]
+    parts = [folder / SHARDS / f"{shard_name(s)}.parquet" for s in finished]
+    recorded = sum(record_of_part(pq.read_schema(p).metadata) is not False for p in parts)
+    damaged = []
+    for s in finished:
+        problem = part_problem(folder, s, manifest)
+        if problem:
+            damaged.append({"shard": s, "path": str(folder / SHARDS / f"{shard_name(s)}.safetensors"),
+                            "problem": problem})
+    return {"checksums": recorded == len(finished), "shards_checksummed": recorded, "shards_checked": len(finished),
+            "damaged": damaged}
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def _integrity(s: dict) -> str:
+    checked, summed, damaged = s["shards_checked"], s["shards_checksummed"], s["damaged"]
+    how = "SHA-256 and header" if summed == checked else \
+        f"header only, not verified by checksum ({checked - summed} shard(s) built before checksums)" \
+        if summed == 0 else f"header; SHA-256 of {summed} (the other {checked - summed} built before checksums, " \
+        "not verified)"
+    if not damaged:
+        return f"shards: {checked} checked ({how}), none damaged"
+    top = Path(s["folder"]).parent if Path(s["folder"]).name == VALIDATION else Path(s["folder"])
+    names = "; ".join(f"{Path(d['path']).name}: {d['problem']}" for d in damaged[:5])
+    return (f"DAMAGED: {len(damaged)} of {checked} shard(s) checked ({how}): {names}"
+            f"{' ...' if len(damaged) > 5 else ''}; run `videodit cache build CONFIG --out {top}` again to "
+            "re-encode them")
 
 
 def format_summary(s: dict, indent: str = "") -> str:
@@ -71,7 +106,7 @@ def format_summary(s: dict, indent: str = "") -> str:
              f"VAE: {describe_encoder(s['encoders']['vae'])}; latents {s['latent']['channels']} channels, "
              f"{s['latent']['spatial_compression']}x spatial, {s['latent']['temporal_compression']}x temporal",
              f"text: {describe_encoder(s['encoders']['text'])}; {s['text']['dim']} wide, {s['text']['max_length']} "
-             "tokens padded"]
+             "tokens padded", _integrity(s)]
     if s["complete"]:
         samples = max(s["samples"], 1)
         lines.append(f"{s['samples']} samples of {s['clips']} clips; per sample: latent "

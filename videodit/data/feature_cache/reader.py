@@ -20,6 +20,7 @@ from safetensors import safe_open
 from torch.utils.data import Dataset
 
 from videodit.data.feature_cache.format import INDEX, SHARDS, read_manifest, shard_name, tensor_key
+from videodit.data.feature_cache.verify import ShardCheck, records_of
 from videodit.errors import UserError
 
 _OPEN_SHARDS = 16   # shard files a process keeps open
@@ -36,6 +37,7 @@ class FeatureCache:
             raise UserError(f"{option}={self.folder} is not complete ({done} of {self.manifest['shards']} shards "
                             f"written); finish it with `videodit cache build CONFIG --out {self.folder}` (it resumes)")
         table = pq.read_table(self.folder / INDEX)
+        self.records = records_of(table.schema.metadata)   # shard -> SHA-256 record; None: built before checksums
         columns = {name: table.column(name).to_numpy() for name in table.column_names}
         self.clip, self.view, self.bucket, self.shard = (columns[k] for k in ("clip", "view", "bucket", "shard"))
         self.fps, self.text_len = columns["fps"], columns["text_len"]
@@ -46,6 +48,7 @@ class FeatureCache:
         self.shapes = [tuple(b[1:2] + b[3:5]) for b in self.manifest["layout"]["buckets"]]   # (T, H, W)
         self._rows: np.ndarray | None = None
         self._handles: OrderedDict = OrderedDict()
+        self._check = ShardCheck(int(self.manifest["shards"]))   # shared with DataLoader workers
 
     def __len__(self) -> int:
         return len(self.clip)
@@ -87,6 +90,7 @@ class FeatureCache:
         handle = self._handles.pop(shard, None)
         if handle is None:
             path = self.folder / SHARDS / f"{shard_name(shard)}.safetensors"
+            self._check.verify(self, shard)   # checksum and header, at the shard's first read
             try:
                 handle = safe_open(str(path), framework="pt")
             except Exception as exc:   # OSError, or safetensors' own error types

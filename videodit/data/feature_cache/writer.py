@@ -11,6 +11,7 @@ processes writes the same shards.
 from __future__ import annotations
 
 import io
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ from safetensors.torch import save as save_safetensors
 
 from videodit.data.feature_cache.format import (FAILED, FORMAT, INDEX, SHARDS, atomic_write_bytes, shard_name,
                                                 tensor_key)
+from videodit.data.feature_cache.verify import (INDEX_KEY, SHARD_KEY, expected_tensors, record_of_part,
+                                                shard_path, shard_problem, shard_record)
 from videodit.errors import UserError
 
 INDEX_SCHEMA = pa.schema([
@@ -123,12 +126,15 @@ class ShardWriter:
         shards = self.folder / SHARDS
         shards.mkdir(parents=True, exist_ok=True)
         name = shard_name(self.shard)
+        record = None
         if self.tensors:
             # One metadata entry: safetensors keeps them in a hash map, whose order varies between runs.
             data = save_safetensors(self.tensors, metadata={"format": f"{FORMAT} shard {self.shard}"})
+            record = shard_record(data)   # the SHA-256 of the bytes written, checked when training reads them
             atomic_write_bytes(shards / f"{name}.safetensors", data)
         order = sorted(range(len(self.rows)), key=lambda i: (self.rows[i]["view"], self.rows[i]["clip"]))
         table = pa.Table.from_pylist([self.rows[i] for i in order], schema=INDEX_SCHEMA)
+        table = table.replace_schema_metadata({SHARD_KEY: json.dumps(record, sort_keys=True)})
         atomic_write_bytes(shards / f"{name}.parquet", _parquet_bytes(table))
 
 
@@ -141,11 +147,35 @@ def _parquet_bytes(table: pa.Table) -> bytes:
 def finish_index(folder: Path, shards: int) -> pa.Table:
     """Join the shards' index parts into ``index.parquet`` (the samples) and ``failed.parquet``
     (the unreadable videos): the last files a build writes."""
-    parts = [pq.read_table(folder / SHARDS / f"{shard_name(s)}.parquet", schema=INDEX_SCHEMA) for s in range(shards)]
+    paths = [folder / SHARDS / f"{shard_name(s)}.parquet" for s in range(shards)]
+    parts = [pq.read_table(path, schema=INDEX_SCHEMA) for path in paths]
     table = pa.concat_tables(parts) if parts else INDEX_SCHEMA.empty_table()
+    records = {str(s): record_of_part(pq.read_schema(path).metadata) for s, path in enumerate(paths)}
+    if all(r is not False for r in records.values()):   # every part has its checksum (not a build of before)
+        table = table.replace_schema_metadata({INDEX_KEY: json.dumps(records, sort_keys=True)})
     ok = table.column("ok").to_numpy(zero_copy_only=False)
     failed = table.filter(pa.array(~ok)).select(list(FAILED_COLUMNS))
     index = table.filter(pa.array(ok)).drop_columns(["ok", "path", "reason"])
+    failed = failed.replace_schema_metadata(None)
     atomic_write_bytes(folder / FAILED, _parquet_bytes(failed))
     atomic_write_bytes(folder / INDEX, _parquet_bytes(index))
     return table
+
+
+def part_problem(folder: Path, shard: int, manifest: dict) -> str | None:
+    """Why finished shard ``shard`` of ``folder`` is damaged (its tensors against its index part
+    and its recorded SHA-256), or None. A build of before checksums is checked by header only."""
+    path = folder / SHARDS / f"{shard_name(shard)}.parquet"
+    try:
+        part = pq.read_table(path, schema=INDEX_SCHEMA)
+        record = record_of_part(pq.read_schema(path).metadata)
+    except Exception as exc:   # pyarrow's own error types
+        return f"its index part {path.name} cannot be read ({str(exc).splitlines()[0] if str(exc) else exc})"
+    ok = part.column("ok").to_numpy(zero_copy_only=False)
+    if not ok.any():
+        return None   # every video of the shard was unreadable: no tensors file
+    if record is None:
+        return "its index part lists samples but no tensors file"
+    rows = {k: part.column(k).to_numpy(zero_copy_only=False)[ok] for k in ("clip", "view", "bucket", "text_len")}
+    expected = expected_tensors(manifest, rows["clip"], rows["view"], rows["bucket"], rows["text_len"])
+    return shard_problem(shard_path(folder, shard), expected, record)
