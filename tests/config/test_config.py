@@ -95,3 +95,75 @@ def test_bad_bucket_config_is_one_line_where_the_data_is_built(capsys):
     assert main(["config", "show", "tiny", "data.bucket_config={'999p': {1: [1.0, 2]}}"]) == 2
     captured = capsys.readouterr()
     assert "unknown resolution '999p'" in captured.err and captured.out == ""
+
+
+def _alias_bomb(levels: int = 9) -> str:
+    """Flow YAML whose last alias expands to 9**levels values ("billion laughs")."""
+    rows = ['&a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    rows += [f"&a{i} [{','.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return f"[{', '.join(rows)}]"
+
+
+@pytest.mark.parametrize("key", ["diffusion.mask_ratios", "train.max_steps"])
+@pytest.mark.parametrize("where", ["file", "override"])
+def test_yaml_alias_bomb_is_refused_before_expansion(key, where, tmp_path, capsys):
+    import resource
+    import time
+    section, name = key.split(".")
+    if where == "file":
+        path = tmp_path / "bomb.yaml"
+        path.write_text(f"{section}:\n  {name}: {_alias_bomb()}\n")
+        argv = ["config", "show", str(path)]
+    else:
+        argv = ["config", "show", "tiny", f"{key}={_alias_bomb()}"]
+    before, start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.monotonic()
+    assert main(argv) == 2
+    assert time.monotonic() - start < 1.0
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 * 1024   # KiB: under 100 MiB
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert "aliases (*name) expand to more than" in err and "\n" not in err and len(err) < 400
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize("value", ["&a [*a]", "&a {k: [1, *a]}"])
+def test_yaml_self_referencing_alias_is_refused(value, tmp_path):
+    path = tmp_path / "loop.yaml"
+    path.write_text(f"train:\n  betas: {value}\n")
+    with pytest.raises(UserError, match="refers to a value that contains it"):
+        load_config(str(path))
+    with pytest.raises(UserError, match="refers to a value that contains it"):
+        load_config("tiny", [f"train.betas={value}"])
+
+
+def test_small_yaml_aliases_still_work(tmp_path):
+    path = tmp_path / "anchors.yaml"
+    path.write_text("train:\n  betas: [&b 0.8, *b]\n")
+    assert load_config(str(path)).train.betas == [0.8, 0.8]
+    assert load_config("tiny", ["train.betas=[&x 0.7, *x]"]).train.betas == [0.7, 0.7]
+
+
+@pytest.mark.parametrize("override, shown", [
+    ("train.max_steps=" + "x" * 10**6, "train.max_steps must be an integer, got 'xxx"),
+    ("train.max_steps=[" + ",".join(["123456789"] * 10**5) + "]", "train.max_steps must be an integer, got [1234"),
+    ("diffusion=" + "y" * 10**6, "diffusion must be a section (a mapping), got 'yyy"),
+    ("train.lr=1" + "0" * 400, "train.lr=<an integer of about 401 digits> is too large"),
+    ("train." + "z" * 10**6 + "=1", "unknown config key train.zzz"),
+], ids=["string", "list", "section", "int-as-float", "key"])
+def test_error_on_a_huge_value_quotes_it_truncated(override, shown):
+    with pytest.raises(UserError) as info:
+        load_config("tiny", [override])
+    message = str(info.value)
+    assert message.startswith(shown) and "\n" not in message
+    assert "..." in message or "digits" in message
+    assert len(message) < 1000   # the quoted value is cut to 200 characters with an ellipsis
+
+
+def test_huge_numbers_in_a_yaml_file_are_one_line(tmp_path):
+    path = tmp_path / "big.yaml"
+    path.write_text("train:\n  max_steps: 1" + "0" * 5000 + "\n")
+    with pytest.raises(UserError, match="holds a value YAML cannot read: Exceeds the limit"):
+        load_config(str(path))
+    path.write_text("train:\n  max_steps: 1" + "0" * 400 + "\n  lr: 1" + "0" * 400 + "\n")
+    with pytest.raises(UserError, match=r"train.lr=<an integer of about 401 digits> is too large"):
+        load_config(str(path))

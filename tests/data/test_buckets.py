@@ -442,3 +442,19 @@ def test_wan_resolutions(t, h, w, expected):
     assert assign_one(WAN_BUCKETS, t, h, w) == expected
     assert all(side % 16 == 0 for name in ("wan480p", "wan720p") for hw in ASPECT_RATIOS[name].values()
                for side in hw)
+
+
+def test_a_bucket_config_file_with_an_alias_bomb_is_refused_in_one_line(tmp_path):
+    """data.bucket_config_file is a file users share: its YAML aliases are bounded as configs' are."""
+    from dataclasses import replace
+
+    from videodit.config import DataConfig
+    from videodit.data.buckets.config import resolve_bucket_config
+
+    levels = ["a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    path = tmp_path / "buckets.yaml"
+    path.write_text("\n".join(levels) + "\nbucket_config: *a8\n")
+    with pytest.raises(UserError, match="refused") as err:
+        resolve_bucket_config(replace(DataConfig(), bucket_config_file=str(path)))
+    assert "\n" not in str(err.value)

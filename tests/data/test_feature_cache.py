@@ -273,8 +273,8 @@ def test_shards_are_checked_once_per_process(clean_cache, monkeypatch):
     import videodit.data.feature_cache.verify as verify
 
     hashed = []
-    monkeypatch.setattr(verify, "sha256_file", lambda path: (hashed.append(path.name), real(path))[1])
-    real = __import__("videodit.checkpoint.writer", fromlist=["sha256_file"]).sha256_file
+    real = verify._sha256_file
+    monkeypatch.setattr(verify, "_sha256_file", lambda path: (hashed.append(path.name), real(path))[1])
     cache = read_all(clean_cache)
     for row in range(len(cache)):
         cache.tensors(row)

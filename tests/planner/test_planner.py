@@ -289,3 +289,28 @@ def test_wan_presets_plan_without_latent_or_caption(preset, num_params, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["model"]["num_params"] == num_params
     assert [b["tokens"] for b in out["buckets"]] == [32_760]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpu-mem", "1e300GiB"], "memory size '1e300GiB' is out of range; give 1 byte to 1024TiB"),
+    (["--gpu-mem", "1" + "0" * 300 + "GiB"], "memory size '1000000000000000000000000000000000000...' is out"),
+    (["--gpu-mem", "10^300GiB"], "memory size '10^300GiB' is not understood"),
+    (["--gpu-mem", "0.5"], "memory size '0.5' is out of range"),
+    (["--gpu-mem", "80GiB", "--encoder-mem", "1e30TB"], "memory size '1e30TB' is out of range"),
+    (["--gpu-mem", "80GiB", "--world-size", "0"], "--world-size 0 is out of range; give 1 to 1,000,000 GPUs"),
+    (["--gpu-mem", "80GiB", "--world-size", "-4"], "--world-size -4 is out of range"),
+], ids=["1e300", "10**300", "caret", "half-byte", "encoder-mem", "world-0", "world-negative"])
+def test_plan_out_of_range_sizes_are_one_line(argv, message, capsys):
+    assert main(["plan", "tiny", *argv]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert message in err and "\n" not in err and len(err) < 200
+    assert captured.out == ""
+
+
+def test_parse_bytes_range_and_exponents():
+    from videodit.errors import UserError
+    assert parse_bytes("8e10") == 8 * 10**10
+    assert parse_bytes("1024TiB") == 2**50
+    with pytest.raises(UserError, match="out of range"):
+        parse_bytes("1025TiB")

@@ -169,3 +169,113 @@ def test_lora_checkpoint_is_under_a_tenth_of_a_full_one_for_the_tiny_preset(toy_
     merged = export(lora, tmp_path / "merged", merge_lora=True)
     assert load_file(merged / "model.safetensors").keys() == load_file(full / "checkpoints/step-0000001/"
                                                                              "model.safetensors").keys()
+
+
+# ---------------------------------------------------------------- the base's whole-content fingerprint
+
+import os                                  # noqa: E402
+
+import videodit.checkpoint.lora as lora_module   # noqa: E402
+import videodit.train.trainer as trainer_module  # noqa: E402
+
+GEOMETRY = ("model.depth", "model.hidden_size", "model.num_heads", "model.patch_size")
+
+
+def preset_overrides(toy_dir, **extra):
+    """The tiny preset's own model: its weights (~9.6 MB) are longer than the 4 MiB at each end that
+    the old sampled fingerprint read."""
+    return [o for o in tiny_overrides(toy_dir, **{"train.max_steps": 1, "train.batch_size": 2, **extra})
+            if not o.startswith(GEOMETRY)]
+
+
+def change_the_middle(file):
+    """Flip one bit in the middle of ``file``: same size, mtime set back (ctime moves on)."""
+    st = file.stat()
+    with open(file, "r+b") as handle:
+        handle.seek(st.st_size // 2)
+        byte = handle.read(1)[0]
+        handle.seek(st.st_size // 2)
+        handle.write(bytes([byte ^ 1]))
+    os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert file.stat().st_size == st.st_size and file.stat().st_mtime_ns == st.st_mtime_ns
+
+
+@pytest.fixture
+def preset_lora_run(toy_dir, tmp_path):
+    """A LoRA run (one step) on an exported model folder of the tiny preset's size."""
+    preset = preset_overrides(toy_dir)
+    base = make_base(preset, tmp_path / "base")
+    overrides = [*preset, "lora.rank=4", f"model.init_from={base}"]
+    run = tmp_path / "run"
+    assert main(["train", "--out", str(run), *overrides]) == 0
+    return base, run, overrides
+
+
+def test_unchanged_exported_base_resumes_and_its_whole_sha256_is_recorded(preset_lora_run):
+    base, run, overrides = preset_lora_run
+    assert main(["train", "--out", str(run), *overrides, "train.max_steps=2", "resume=auto"]) == 0
+    record = json.loads((run / "checkpoints/step-0000002/state.json").read_text())["lora_base"]
+    assert record["fingerprint"] == {"model.safetensors": lora_module._sha256_file(base / "model.safetensors")}
+
+
+@pytest.mark.parametrize("command", ["resume", "sample", "export"])
+def test_a_base_changed_in_the_middle_is_refused(preset_lora_run, tmp_path, capsys, command):
+    base, run, overrides = preset_lora_run
+    weights = base / "model.safetensors"
+    sampled = lora_module._sampled(weights)
+    assert weights.stat().st_size > 2 * lora_module._SAMPLE
+    change_the_middle(weights)
+    assert lora_module._sampled(weights) == sampled            # the old fingerprint would not see it
+    capsys.readouterr()
+    argv = {"resume": ["train", "--out", str(run), *overrides, "train.max_steps=2", "resume=auto"],
+            "sample": ["sample", "--ckpt", str(run), "--prompt", "x", "--steps", "2", "--out", str(tmp_path / "c.gif")],
+            "export": ["ckpt", "export", str(run), str(tmp_path / "merged"), "--merge-lora"]}[command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is not the one the adapters were trained on" in err and "\n" not in err, err
+    assert not (run / "checkpoints/step-0000002").exists() and not (tmp_path / "merged").exists()
+
+
+def test_an_unchanged_base_is_not_read_again_by_its_stat_key(toy_dir, tmp_path, monkeypatch):
+    base = make_base(tiny_overrides(toy_dir), tmp_path / "base")
+    weights = base / "model.safetensors"
+    monkeypatch.setattr(lora_module, "_RACY_NS", -10**18)   # the file was just written: trust its key at once
+    record = lora_module.base_record(base)
+    assert set(record["stat"]) == {"model.safetensors"}
+    reads = []
+    real = lora_module._sha256_file
+    monkeypatch.setattr(lora_module, "_sha256_file", lambda file: reads.append(file) or real(file))
+    monkeypatch.setattr(lora_module, "_HASHED", {})          # a new process
+    assert lora_module.check_base(record) == str(base.resolve()) and reads == []
+    change_the_middle(weights)                               # ctime moved: read in full, and refused
+    with pytest.raises(Exception, match="is not the one the adapters were trained on"):
+        lora_module.check_base(record)
+    assert reads == [weights.resolve()]
+    monkeypatch.setattr(lora_module, "_RACY_NS", 3 * 10**9)
+    monkeypatch.setattr(lora_module, "_HASHED", {})
+    assert "stat" not in lora_module.base_record(base)        # just written (racy): its key is never trusted
+
+
+def test_a_run_recorded_with_the_old_sampled_fingerprint_still_resumes(toy_dir, tmp_path, monkeypatch, capsys):
+    base = make_base(tiny_overrides(toy_dir), tmp_path / "base")
+
+    def old_run_base(cfg):                                   # what videodit wrote before whole-file hashes
+        path = base.resolve()
+        weights = path / "model.safetensors"
+        return {"path": str(path), "fingerprint": {"model.safetensors": lora_module._sampled(weights)}}
+
+    overrides = lora_overrides(toy_dir, base, **{"train.max_steps": 1})
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer_module, "run_base", old_run_base)
+        assert main(["train", "--out", str(run), *overrides]) == 0
+    old = json.loads((run / "checkpoints/step-0000001/state.json").read_text())["lora_base"]["fingerprint"]
+    assert lora_module._SAMPLED_KIND.fullmatch(old["model.safetensors"])
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), *overrides, "train.max_steps=2", "resume=auto"]) == 0
+    assert "checked that way" in capsys.readouterr().err      # compared the old way, with a warning
+    new = json.loads((run / "checkpoints/step-0000002/state.json").read_text())["lora_base"]["fingerprint"]
+    assert new == {"model.safetensors": lora_module._sha256_file(base / "model.safetensors")}   # re-recorded
+    make_base(tiny_overrides(toy_dir), base, seed=1)          # the old kind still refuses what it can see
+    with pytest.raises(Exception, match="is not the one the adapters were trained on"):
+        lora_module.check_base({"path": str(base.resolve()), "fingerprint": old})

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from videodit.config.load import parse_yaml
 from videodit.checkpoint.io import (EXPORT_MARK, EXPORT_RECORD, EXPORT_RUN_CONFIG, CheckedReader, Damaged,
                                     ManifestError, is_export_dir, load_manifest, open_regular, read_regular,
                                     resolve_checkpoint)
@@ -71,7 +72,8 @@ class LoadedCheckpoint:
                     raise ValueError("config.json is not an object")
                 info = config.pop(EXPORT_MARK, None) or {}
             else:
-                config = yaml.safe_load(read_regular(self.path / EXPORT_RUN_CONFIG, _SMALL_FILE_MAX)) or {}
+                text = read_regular(self.path / EXPORT_RUN_CONFIG, _SMALL_FILE_MAX).decode("utf-8", "replace")
+                config = parse_yaml(text, str(self.path / EXPORT_RUN_CONFIG)) or {}   # aliases bounded
                 info = json.loads(read_regular(self.path / EXPORT_RECORD, _SMALL_FILE_MAX))
                 if not isinstance(config, dict) or not isinstance(info, dict):
                     raise ValueError("not a mapping")

@@ -3,12 +3,13 @@
 A LoRA run (``lora.rank > 0``) starts from ``model.init_from`` (the *base*), which it never
 changes and never saves: its checkpoints hold the adapters (``model.safetensors``; their EMA in
 ``ema.safetensors``) and the adapters' optimizer state. ``state.json`` records the base as
-``lora_base``: its absolute path and a fingerprint of its weight files (the SHA-256s of a
-checkpoint's manifest, else the files' sizes), so a base that changed since is refused instead
-of silently getting adapters trained on other weights.
+``lora_base``: its absolute path and a fingerprint of its weight files (the SHA-256 of each
+file's whole content: a checkpoint's from its manifest, others hashed here), so a base that
+changed since is refused instead of silently getting adapters trained on other weights.
 
     init_weights(source) -> (weights, taken)   what model.init_from takes from any source
-    base_record(source) -> dict                what a LoRA run records about its base
+    base_record(source, known) -> dict         what a LoRA run records about its base
+    check_base(record, source) -> str          the base, refused if it is not the recorded one
     lora_config(loaded) -> LoraConfig | None   a LoRA checkpoint's settings (None: not one)
     adapted_model(loaded, stem, merge) -> model   the base with the checkpoint's adapters
     lora_model(cfg, base, adapters, merge) -> model   the same from a config and tensors
@@ -18,12 +19,17 @@ of silently getting adapters trained on other weights.
 from __future__ import annotations
 
 import hashlib
+import os
+import re
+import time
 from pathlib import Path
 
 import torch
 import yaml
 from torch import nn
 
+from videodit.config.load import parse_yaml
+from videodit.checkpoint.io import warn
 from videodit.checkpoint.loaded import LoadedCheckpoint
 from videodit.components import model_geometry
 from videodit.config import Config, LoraConfig, from_yaml
@@ -54,28 +60,83 @@ def init_weights(source: str | Path) -> tuple[dict[str, torch.Tensor], str]:
     return weights, f"{stem} weights of {ckpt.path} (step {ckpt.step})"
 
 
-def base_record(source: str | Path) -> dict:
-    """``{"path": absolute path, "fingerprint": {file: digest}}`` of a base: a run folder resolves
-    to its newest checkpoint, whose path is recorded. A checkpoint's weight files are named by
-    the SHA-256 of its manifest; files without one (exports, Open-Sora folders) by their size and
-    a SHA-256 of their first and last 4 MiB (cheap on many-GB files)."""
+def base_record(source: str | Path, known: dict | None = None) -> dict:
+    """``{"path": absolute path, "fingerprint": {file: sha256}, "stat": {file: key}}`` of a base:
+    a run folder resolves to its newest checkpoint, whose path is recorded. Each weight file is
+    named by the SHA-256 of its whole content: a checkpoint's from its manifest; a file without
+    one (an export, Open-Sora or Wan weights) hashed here, with its ``stat`` key (inode, size,
+    mtime and ctime in ns) beside it. ``known``, a record made earlier, saves work: a file whose
+    stat key and path are the recorded ones is not read again (ctime cannot be set back, so no
+    write since can leave the key as it was), and a file recorded in the old sampled kind
+    (``size:sha256`` of its first and last 4 MiB) is fingerprinted that way, to compare."""
+    known = known or {}
     if released_spec(source) is not None:
         path = Path(source).resolve()
         files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.suffix in WEIGHT_SUFFIXES)
-        return {"path": str(path), "fingerprint": {(f.name if f == path else str(f.relative_to(path))): _sampled(f)
-                                                   for f in files}}
-    ckpt = LoadedCheckpoint(source)
-    names = ("model.safetensors", "ema.safetensors")
-    return {"path": str(ckpt.path.resolve()),
-            "fingerprint": {name: info.get("sha256") or _sampled(ckpt.path / name)
-                            for name, info in sorted(ckpt.manifest["files"].items()) if name in names}}
+        named = {(f.name if f == path else str(f.relative_to(path))): (f, None) for f in files}
+    else:
+        ckpt = LoadedCheckpoint(source)
+        path = ckpt.path.resolve()
+        named = {name: (path / name, info.get("sha256")) for name, info in sorted(ckpt.manifest["files"].items())
+                 if name in ("model.safetensors", "ema.safetensors")}
+    same_place = known.get("path") == str(path)
+    record = {"path": str(path), "fingerprint": {}, "stat": {}}
+    for name, (file, manifest_sha) in named.items():
+        before = (known.get("fingerprint") or {}).get(name)
+        if isinstance(before, str) and _SAMPLED_KIND.fullmatch(before):   # an old record: compare its way
+            record["fingerprint"][name] = _sampled(file)
+        elif manifest_sha:
+            record["fingerprint"][name] = manifest_sha
+        else:
+            cached = (before, (known.get("stat") or {}).get(name)) if same_place else None
+            record["fingerprint"][name], key = _whole(file, cached)
+            if key is not None:
+                record["stat"][name] = key
+    if not record["stat"]:
+        del record["stat"]
+    return record
 
 
+# The old kind of fingerprint (before whole-file hashes): "size:sha256 of the first and last 4 MiB".
+_SAMPLED_KIND = re.compile(r"\d+:[0-9a-f]{64}")
 _SAMPLE = 4 << 20
+# A file whose ctime is this close to the moment it was hashed is "racy" (a write in the same
+# timestamp tick could leave its stat key unchanged): its key is not kept, so it is hashed again.
+_RACY_NS = 3_000_000_000
+# This process's whole-file hashes: (path, stat key) -> sha256 (run_base and check_base on resume).
+_HASHED: dict[tuple, str] = {}
+
+
+def _stat_key(file: Path) -> list[int]:
+    st = os.stat(file)
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _whole(file: Path, cached: tuple | None = None) -> tuple[str, list[int] | None]:
+    """The SHA-256 of ``file``'s whole content and its stat key (None: the file is racy or changed
+    while it was read, and the key is not to be trusted later). ``cached``: a recorded
+    ``(sha256, key)``, taken without reading the file when its key is still ``key``."""
+    key = _stat_key(file)
+    if cached and cached[1] == key and isinstance(cached[0], str) and re.fullmatch(r"[0-9a-f]{64}", cached[0]):
+        return cached[0], key
+    memo = (str(file), tuple(key))
+    if memo in _HASHED:
+        return _HASHED[memo], key
+    digest = _sha256_file(file)
+    if _stat_key(file) != key or time.time_ns() - key[3] < _RACY_NS:
+        return digest, None
+    _HASHED[memo] = digest
+    return digest, key
+
+
+def _sha256_file(file: Path) -> str:
+    with open(file, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def _sampled(file: Path) -> str:
-    """``size:sha256`` of a file's first and last 4 MiB."""
+    """``size:sha256`` of a file's first and last 4 MiB: the old kind of fingerprint, kept to check
+    runs recorded with it."""
     digest = hashlib.sha256()
     size = file.stat().st_size
     with open(file, "rb") as handle:
@@ -87,14 +148,23 @@ def _sampled(file: Path) -> str:
 
 
 def check_base(record: dict, source: str | Path | None = None) -> str:
-    """The base path of ``record`` (or ``source``), checked against the recorded fingerprint."""
+    """The base path of ``record`` (or ``source``), checked against the recorded fingerprint: the
+    SHA-256 of each weight file's whole content (a file unchanged since, by its stat key, is not
+    read again). A record of the old sampled kind is compared that way, with a warning."""
     source = source or record.get("path")
     if not source:
         raise UserError("this LoRA run records no base weights (model.init_from); set model.init_from to them")
-    now = base_record(source)
-    if record.get("fingerprint") and now["fingerprint"] != record["fingerprint"]:
-        raise UserError(f"the LoRA base {source} is not the one the adapters were trained on ({record.get('path')}: "
-                        "its weight files differ); point model.init_from at those weights")
+    recorded = record.get("fingerprint")
+    if recorded:
+        now = base_record(source, known=record)
+        if now["fingerprint"] != recorded:
+            raise UserError(f"the LoRA base {source} is not the one the adapters were trained on "
+                            f"({record.get('path')}: its weight files differ); point model.init_from at those weights")
+        old = sorted(name for name, value in recorded.items()
+                     if isinstance(value, str) and _SAMPLED_KIND.fullmatch(value))
+        if old:
+            warn(f"the LoRA base {source} was recorded by an older videodit by the size and first and last 4 MiB of "
+                 f"{', '.join(old)} only, and was checked that way; a resumed run records their whole SHA-256")
     return str(source)
 
 
@@ -157,7 +227,7 @@ def run_base(cfg: Config) -> dict:
 
 def merged_run_config(config_yaml: str) -> str:
     """A LoRA run's config for its merged export: ``lora.rank: 0`` (the weights are whole)."""
-    raw = yaml.safe_load(config_yaml) or {}
+    raw = parse_yaml(config_yaml, "the run's config.yaml") or {}
     raw.setdefault("lora", {})["rank"] = 0
     return yaml.safe_dump(raw, sort_keys=False)
 

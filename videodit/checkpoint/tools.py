@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from videodit.config.load import parse_yaml
 from videodit.checkpoint.io import (EXPORT_RECORD, EXPORT_RUN_CONFIG, STAGING_PREFIX, damaged_files,
                                     describe_os_error, list_checkpoints, read_manifest, warn)
 from videodit.checkpoint.loaded import LoadedCheckpoint
@@ -174,7 +175,7 @@ def inspect(ckpt: str | Path) -> dict:
     config = {}
     if "config.yaml" not in damaged and (loaded.is_export or "config.yaml" in loaded.manifest["files"]):
         try:
-            config = yaml.safe_load(loaded.config_yaml()) or {}
+            config = parse_yaml(loaded.config_yaml(), f"{loaded.path}'s config.yaml") or {}
         except UserError as exc:
             damaged["config.yaml"] = str(exc)
         except yaml.YAMLError:

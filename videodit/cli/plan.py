@@ -5,6 +5,8 @@ from __future__ import annotations
 from videodit.cli.args import split_config_args
 from videodit.errors import UserError
 
+MAX_WORLD_SIZE = 1_000_000   # GPUs in one job
+
 
 def cmd_config_show(ns) -> int:
     from videodit.config import load_config, to_yaml
@@ -35,6 +37,8 @@ def _planner(ns, cfg):
     from videodit.planner.report import parse_bytes
 
     gpu = parse_bytes(ns.gpu_mem)
+    if ns.world_size is not None and not 1 <= ns.world_size <= MAX_WORLD_SIZE:
+        raise UserError(f"--world-size {ns.world_size} is out of range; give 1 to {MAX_WORLD_SIZE:,} GPUs")
     latent = LatentGeometry.parse(ns.latent) if ns.latent else None
     caption = None
     if ns.caption:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import reprlib
 import types
 import sys
 import typing
@@ -62,7 +63,59 @@ def _read_source(source: str) -> dict:
     return raw
 
 
-class _StrictLoader(yaml.SafeLoader):
+MAX_YAML_NODES = 100_000   # values after expanding aliases; a config has a few hundred
+
+
+class _AliasBomb(Exception):
+    """YAML whose aliases (``*name``) would expand past :data:`MAX_YAML_NODES` or into themselves."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing aliases that would expand past :data:`MAX_YAML_NODES` values
+    ("billion laughs") or into themselves. The check runs on the composed node graph, where an alias
+    is one shared node, before anything is constructed."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.events.AliasEvent):
+            self._aliases_seen = True
+        return super().compose_node(parent, index)
+
+    def compose_document(self):
+        self._aliases_seen = False
+        node = super().compose_document()
+        if self._aliases_seen:
+            _check_expansion(node)
+        return node
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Count the values ``root`` expands to (each shared node counted at every use), without
+    recursion and stopping as soon as the count passes the bound."""
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        children = [] if isinstance(node, yaml.ScalarNode) else \
+            [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else list(node.value)
+        if done:
+            on_path.discard(id(node))
+            size = 1 + sum(sizes[id(c)] for c in children)
+            if size > MAX_YAML_NODES:
+                raise _AliasBomb(f"its aliases (*name) expand to more than {MAX_YAML_NODES:,} values; "
+                                 "write the values out or use fewer aliases")
+            sizes[id(node)] = size
+            continue
+        if id(node) in sizes:
+            continue
+        if id(node) in on_path:
+            raise _AliasBomb("an alias (*name) refers to a value that contains it; write the values out")
+        on_path.add(id(node))
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in sizes)
+
+
+class _StrictLoader(_BoundedLoader):
     """YAML's safe loader, refusing a key written twice in one mapping (YAML keeps the last
     silently, so a typo'd copy of a section would quietly win)."""
 
@@ -96,6 +149,10 @@ def parse_yaml(text: str, what: str) -> Any:
         raise UserError(f"{what} is not valid YAML: {' '.join(str(exc).split())[:300]}") from None
     except RecursionError:
         raise UserError(f"{what} nests too deeply to read; flatten it") from None
+    except _AliasBomb as exc:
+        raise UserError(f"{what} is refused: {exc}") from None
+    except ValueError as exc:   # an integer of more than 4300 digits, a date like 2020-02-30
+        raise UserError(f"{what} holds a value YAML cannot read: {' '.join(str(exc).split(';')[0].split())[:200]}") from None
 
 
 def _nesting(text: str) -> int:
@@ -115,9 +172,14 @@ def parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item:
         raise UserError(f"override {item!r} must look like key.sub=value (e.g. train.max_steps=100)")
     key, text = item.split("=", 1)
+    depth = _nesting(text)
+    if depth > MAX_YAML_DEPTH:
+        raise UserError(f"override {key.strip()}: its value nests {depth} levels deep (at most {MAX_YAML_DEPTH})")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
+        value = yaml.load(text, Loader=_BoundedLoader) if text.strip() else None
+    except _AliasBomb as exc:
+        raise UserError(f"override {key.strip()} is refused: {exc}") from None
+    except (yaml.YAMLError, ValueError, RecursionError):
         value = text
     return key.strip(), value
 
@@ -149,6 +211,27 @@ def from_dict(raw: dict) -> Config:
     return cfg
 
 
+MAX_SHOWN = 200   # characters of a value quoted in an error message
+
+
+class _ShortRepr(reprlib.Repr):
+    def repr_int(self, x, level):   # repr() of an int past 4300 digits raises ValueError
+        return repr(x) if x.bit_length() < 600 else f"<an integer of about {int(x.bit_length() * 0.30103) + 1} digits>"
+
+
+_short_repr = _ShortRepr()
+_short_repr.maxlevel, _short_repr.maxlist, _short_repr.maxtuple, _short_repr.maxdict = 4, 12, 12, 12
+_short_repr.maxstring = _short_repr.maxother = _short_repr.maxlong = MAX_SHOWN
+
+
+def _show(value: Any, quote: bool = True) -> str:
+    """``value`` for an error message: its repr (or str), at most :data:`MAX_SHOWN` characters,
+    cut with an ellipsis, built without formatting the whole of a huge value."""
+    text = _short_repr.repr(value) if quote or not isinstance(value, str) else value[:MAX_SHOWN + 1]
+    text = " ".join(text.split()) if len(text) > MAX_SHOWN else text
+    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."
+
+
 def _apply_parallel_aliases(raw: dict) -> dict:
     """Map Open-Sora's ``sp_size``/``tp_size``/``pp_size``/``zero_stage`` (top level or under
     ``parallel``) onto the ``parallel`` section; a clash with an explicit key is an error."""
@@ -163,15 +246,15 @@ def _apply_parallel_aliases(raw: dict) -> dict:
     for name, value in moved.items():
         if name == "zero_stage":
             if value not in ZERO_STAGES:
-                raise UserError(f"zero_stage={value!r} is not allowed; choose one of: 0 (DDP), 1 or 2 (FSDP, "
+                raise UserError(f"zero_stage={_show(value)} is not allowed; choose one of: 0 (DDP), 1 or 2 (FSDP, "
                                 "weights kept after forward), 3 (FSDP, weights resharded)")
             implied.update(ZERO_STAGES[value])
         else:
             implied[PARALLEL_ALIASES[name]] = value
     for key, value in implied.items():
         if key in section and section[key] != value:
-            raise UserError(f"parallel.{key}={section[key]!r} conflicts with the Open-Sora option that implies "
-                            f"{key}={value!r}; set one of them")
+            raise UserError(f"parallel.{key}={_show(section[key])} conflicts with the Open-Sora option that implies "
+                            f"{key}={_show(value)}; set one of them")
         section[key] = value
     if moved:
         raw["parallel"] = section
@@ -191,7 +274,7 @@ def _apply_memory_aliases(raw: dict) -> dict:
         raw["train"] = train
     for name, value in moved.items():
         if not isinstance(value, bool):
-            raise UserError(f"{name}={value!r} must be true or false (or set memory.checkpointing)")
+            raise UserError(f"{name}={_show(value)} must be true or false (or set memory.checkpointing)")
         section = dict(raw.get("memory") or {})
         implied = "full" if value else "none"
         if section.get("checkpointing", implied) != implied:
@@ -236,7 +319,7 @@ def _check_consistency(cfg: Config) -> None:
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:
     if not isinstance(raw, dict):
-        raise UserError(f"{prefix.rstrip('.') or 'config'} must be a section (a mapping), got {raw!r}")
+        raise UserError(f"{prefix.rstrip('.') or 'config'} must be a section (a mapping), got {_show(raw)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     for key in raw:
@@ -244,7 +327,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f"; did you mean {prefix}{close[0]}?" if close else \
                 f"; allowed: {', '.join(prefix + f for f in fields)}"
-            raise UserError(f"unknown config key {prefix}{key}{hint}")
+            raise UserError(f"unknown config key {prefix}{_show(key, quote=False)}{hint}")
     values = {}
     for name, f in fields.items():
         if name not in raw:
@@ -267,7 +350,7 @@ def _check_value(key: str, value: Any, hint: Any, meta: typing.Mapping) -> Any:
         return _check_value(key, value, inner, meta)
     if origin is list:
         if not isinstance(value, (list, tuple)):
-            raise UserError(f"{key} must be a list, got {value!r}")
+            raise UserError(f"{key} must be a list, got {_show(value)}")
         if "length" in meta and len(value) != meta["length"]:
             raise UserError(f"{key} must have {meta['length']} entries, got {len(value)}")
         if meta.get("nonempty") and not value:
@@ -275,15 +358,15 @@ def _check_value(key: str, value: Any, hint: Any, meta: typing.Mapping) -> Any:
         return [_check_value(key, v, args[0], meta) for v in value]
     if hint is dict or origin is dict:
         if not isinstance(value, dict):
-            raise UserError(f"{key} must be a mapping, got {value!r}")
+            raise UserError(f"{key} must be a mapping, got {_show(value)}")
         return value
     if origin is Literal:
         if value not in args:
-            raise UserError(f"{key}={value!r} is not allowed; choose one of: {', '.join(map(str, args))}")
+            raise UserError(f"{key}={_show(value)} is not allowed; choose one of: {', '.join(map(str, args))}")
         return value
     if hint is bool:
         if not isinstance(value, bool):
-            raise UserError(f"{key} must be true or false, got {value!r}")
+            raise UserError(f"{key} must be true or false, got {_show(value)}")
         return value
     if hint in (int, float):
         if isinstance(value, str):   # YAML 1.1 reads "1e-3" as a string
@@ -293,21 +376,25 @@ def _check_value(key: str, value: Any, hint: Any, meta: typing.Mapping) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                 (hint is int and isinstance(value, float) and not value.is_integer()):
-            raise UserError(f"{key} must be {'an integer' if hint is int else 'a number'}, got {value!r}")
-        value = hint(value)
-        if not math.isfinite(value):
-            raise UserError(f"{key}={value} is not a finite number; give a real value")
+            raise UserError(f"{key} must be {'an integer' if hint is int else 'a number'}, got {_show(value)}")
+        try:
+            value = hint(value)
+        except OverflowError:   # an integer beyond any float
+            limit = f"; it must be <= {meta['max']}" if "max" in meta else ""
+            raise UserError(f"{key}={_show(value)} is too large{limit}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"{key}={_show(value)} is not a finite number; give a real value")
         if "min" in meta and value < meta["min"]:
-            raise UserError(f"{key}={value} is too small; it must be >= {meta['min']}")
+            raise UserError(f"{key}={_show(value)} is too small; it must be >= {meta['min']}")
         if "max" in meta and value > meta["max"]:
-            raise UserError(f"{key}={value} is too large; it must be <= {meta['max']}")
+            raise UserError(f"{key}={_show(value)} is too large; it must be <= {meta['max']}")
         return value
     if hint is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise UserError(f"{key} must be a string, got {value!r}")
+            raise UserError(f"{key} must be a string, got {_show(value)}")
         value = str(value)
         if "choices" in meta and value not in meta["choices"]:
-            raise UserError(f"{key}={value!r} is not allowed; choose one of: {', '.join(meta['choices'])}")
+            raise UserError(f"{key}={_show(value)} is not allowed; choose one of: {', '.join(meta['choices'])}")
         return value
     raise TypeError(f"config field {key} has unsupported type {hint}")  # a bug in this file
 

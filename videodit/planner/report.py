@@ -17,14 +17,18 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+_MAX_BYTES = 2**50   # 1024 TiB: far beyond any GPU
+
+
 def parse_bytes(text: str) -> int:
-    """``80GiB``, ``80GB``, ``81920MiB`` or a plain byte count."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    """``80GiB``, ``80GB``, ``81920MiB``, ``8e10`` or a plain byte count, 1 byte to 1024 TiB."""
+    shown = str(text) if len(str(text)) <= 40 else f"{str(text)[:37]}..."
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in _UNITS:
-        raise UserError(f"memory size {text!r} is not understood; write e.g. 80GiB, 80GB or 40960MiB")
+        raise UserError(f"memory size {shown!r} is not understood; write e.g. 80GiB, 80GB or 40960MiB")
     value = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if value <= 0:
-        raise UserError(f"memory size {text!r} must be positive")
+    if not 1 <= value <= _MAX_BYTES:   # also refuses what overflows to inf
+        raise UserError(f"memory size {shown!r} is out of range; give 1 byte to 1024TiB, e.g. 80GiB")
     return int(value)
 
 

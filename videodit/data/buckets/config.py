@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
 
+from videodit.config.load import parse_yaml
 from videodit.config import DataConfig
 from videodit.data.buckets.tables import RESOLUTION_NAMES, RESOLUTION_PIXELS
 from videodit.errors import UserError
@@ -230,7 +230,7 @@ def resolve_bucket_config(data: DataConfig) -> dict | None:
         raise UserError(f"data.bucket_config_file {str(path)!r} does not exist")
     if path.suffix == ".py":
         return load_opensora_bucket_config(path)
-    loaded = yaml.safe_load(path.read_text())
+    loaded = parse_yaml(path.read_text(), str(path))   # aliases bounded: a shared file may be crafted
     if isinstance(loaded, dict) and "bucket_config" in loaded:
         loaded = loaded["bucket_config"]
     if not isinstance(loaded, dict):
