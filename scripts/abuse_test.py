@@ -227,8 +227,32 @@ def build_cases(tmp: Path) -> list[Case]:
                                                                                                / "step-0000002"],
              check=lambda: ((full / "checkpoints" / "step-0000003" / "manifest.json").is_file(),
                             "the step's checkpoint was saved")))
+    # --- round 3 (#22, #28): crafted descriptions, released weights, plans
+    add_round_three(add, tmp)
     cases.append(Case("(cleanup)", ["config", "keys"], expect=0, check=lambda: (sleeper.kill() or True, "")))
     return cases
+
+
+def add_round_three(add, tmp: Path) -> None:
+    """Descriptions that ask for too much, answered in one line before any work."""
+    levels = ['&a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    levels += [f"&a{i} [{','.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    bomb = tmp / "bomb.yaml"
+    bomb.write_text(f"diffusion:\n  mask_ratios: [{', '.join(levels)}]\n")
+    add(Case("YAML alias bomb: config show", ["config", "show", str(bomb)], timeout=60))
+    add(Case("YAML alias bomb: override", ["config", "show", "tiny", f"train.max_steps=[{', '.join(levels)}]"],
+             timeout=60))
+    add(Case("plan --gpu-mem 1e300GiB", ["plan", "tiny", "--gpu-mem", "1e300GiB"], timeout=60))
+    add(Case("plan --world-size 0", ["plan", "tiny", "--gpu-mem", "80GiB", "--world-size", "0"], timeout=60))
+    fixtures = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+    for family, source, key in (("stdit", fixtures / "opensora" / "stdit3", "depth"),
+                                ("wan", fixtures / "wan" / "wan", "num_layers")):
+        crafted = tmp / f"{family}-huge"
+        shutil.copytree(source, crafted)
+        config = json.loads((crafted / "config.json").read_text())
+        (crafted / "config.json").write_text(json.dumps({**config, key: 10**6}))
+        add(Case(f"ckpt import: {family} config.json with {key}=10**6",
+                 ["ckpt", "import", str(crafted), str(tmp / f"{family}-imported")], watch=[crafted], timeout=60))
 
 
 def readonly_folder(tmp: Path) -> Path:
