@@ -8,11 +8,12 @@ import torch
 from videodit.config import Config
 from videodit.errors import UserError
 from videodit.models.families import get_spec
-from videodit.models.text import load_text_encoder, load_umt5_encoder
+from videodit.models.families import encoder_kinds, encoder_spec
+from videodit.models.text import load_text_encoder
 from videodit.models.vae import build_vae
 from videodit.toy.encoder import TOY_MAX_LENGTH, ToyTextEncoder
 
-TEXT_KINDS = ("toy", "transformers", "umt5")
+OWN_TEXT_KINDS = ("toy", "transformers")   # built here; the families bring the others
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}   # vae.dtype, text.dtype
 
 
@@ -26,9 +27,10 @@ def build_text_encoder(kind: str, path: str | None = None, max_length: int | Non
         return ToyTextEncoder(dim=dim, max_length=max_length or TOY_MAX_LENGTH)
     if kind == "transformers":
         return load_text_encoder(path, max_length=max_length, dtype=dtype)
-    if kind == "umt5":
-        return load_umt5_encoder(path, max_length=max_length, dtype=dtype)
-    raise UserError(f"text.kind={kind!r} is not supported; choose one of: {', '.join(TEXT_KINDS)}")
+    family = encoder_spec("text_kinds", kind)
+    if family is not None:   # a family's own encoder (Wan's umT5): its spec builds it
+        return family.build_text_encoder(kind, path, max_length, dtype)
+    raise UserError(f"text.kind={kind!r} is not supported; choose one of: {', '.join(OWN_TEXT_KINDS + encoder_kinds('text_kinds'))}")
 
 
 def build_encoders(cfg: Config, device: torch.device):

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from videodit.errors import UserError
-from videodit.models.vae import VAE_KINDS, Diffusers3DVAE, build_vae
+from videodit.models.vae import Diffusers3DVAE, build_vae, vae_kinds
 from videodit.models.wan.text import (WAN_NEGATIVE_PROMPT, UMT5TextEncoder, clean_prompt, load_umt5)
 from videodit.models.wan.vae import (WAN21_LATENTS_MEAN, WAN21_LATENTS_STD, WanVAE, build_wan_vae,
                                      to_diffusers_name, wan_vae_config)
@@ -60,7 +60,7 @@ def _one_line_error(call, match: str) -> str:
 
 
 def test_attributes_and_frozen(vae):
-    assert isinstance(vae, WanVAE) and "wan2.1" in VAE_KINDS
+    assert isinstance(vae, WanVAE) and "wan2.1" in vae_kinds()
     assert (vae.latent_channels, vae.spatial_compression, vae.temporal_compression) == (16, 8, 4)
     assert not any(p.requires_grad for p in vae.parameters())
     vae.train()

@@ -41,6 +41,16 @@ def spec_for_model_type(model_type: str | None) -> ModelSpec | None:
     return next((spec for spec in families().values() if spec.model_type == model_type), None)
 
 
+def encoder_spec(field: str, kind: str) -> ModelSpec | None:
+    """The family that brings ``vae.kind``/``text.kind`` = ``kind`` (``field``: ``vae_kinds`` or
+    ``text_kinds``), or None for the kinds the encoder factories build themselves."""
+    return next((spec for spec in families().values() if kind in getattr(spec, field)), None)
+
+
+def encoder_kinds(field: str) -> tuple[str, ...]:
+    return tuple(kind for spec in families().values() for kind in getattr(spec, field))
+
+
 def released_spec(path) -> ModelSpec | None:
     """The family whose released weights ``path`` holds (Open-Sora's STDiT3, Wan's folders), or None."""
     return next((spec for spec in families().values() if spec.released_layout(path)), None)

@@ -189,6 +189,21 @@ class ModelSpec:
         (one of ``export_formats``)."""
         raise NotImplementedError
 
+    # ------------------------------------------------------------------ its encoders
+
+    vae_kinds: tuple[str, ...] = ()    # vae.kind values of the family's own VAEs
+    text_kinds: tuple[str, ...] = ()   # text.kind values of the family's own text encoders
+
+    def build_vae(self, kind: str, path, subfolder, *, scaling_factor, micro_batch: int,
+                  temporal_micro_batch: int, dtype: torch.dtype):
+        """The frozen VAE ``vae.kind=kind`` names (one of ``vae_kinds``); loaded lazily by
+        ``models/vae.py``'s ``build_vae``, the one factory."""
+        raise NotImplementedError
+
+    def build_text_encoder(self, kind: str, path, max_length: int | None, dtype: torch.dtype):
+        """The frozen text encoder ``text.kind=kind`` names (one of ``text_kinds``)."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ geometry, objective
 
     def patch_size(self, geometry) -> tuple[int, int, int]:

@@ -135,9 +135,3 @@ def load_text_encoder(path: str | None, max_length: int | None = None,
     """A frozen :class:`HFTextEncoder` from the local transformers folder ``path``
     (``max_length=None``: 120 tokens)."""
     return HFTextEncoder(_check_model_folder(path), max_length=max_length or HF_MAX_LENGTH, dtype=dtype)
-
-
-def load_umt5_encoder(path: str | None, max_length: int | None = None, dtype: torch.dtype = torch.float32):
-    """Wan's umT5-XXL (``models/wan/text.py``), 512 tokens unless ``max_length`` says otherwise."""
-    from videodit.models.wan.text import load_umt5   # lazy: the Wan package only when asked
-    return load_umt5(path, max_length=max_length or 512, dtype=dtype)

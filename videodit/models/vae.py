@@ -2,9 +2,9 @@
 
 Every adapter implements the small interface of ``models/vae_base.py`` (``FrozenVAE``), so the
 trainer and the sampler never look at diffusers' many output types. ``build_vae`` is the one
-factory for every kind: identity, diffusers (this file) and opensora-v1.2
-(``models/stdit/opensora_vae.py``). Nothing is ever downloaded: diffusers models load with
-``local_files_only=True``.
+factory for every kind: identity, diffusers (this file) and each model family's own
+(opensora-v1.2, wan2.1), which its spec builds (``ModelSpec.build_vae``). Nothing is ever
+downloaded: diffusers models load with ``local_files_only=True``.
 """
 
 from __future__ import annotations
@@ -17,10 +17,15 @@ import torch
 from torch import Tensor, nn
 
 from videodit.errors import UserError
-from videodit.models.stdit.opensora_vae import load_opensora_vae
+from videodit.models.families import encoder_kinds, encoder_spec
 from videodit.models.vae_base import FrozenVAE
 
-VAE_KINDS = ("identity", "diffusers", "opensora-v1.2", "wan2.1")
+OWN_VAE_KINDS = ("identity", "diffusers")   # built here; the families bring the others
+
+
+def vae_kinds() -> tuple[str, ...]:
+    """Every vae.kind: identity, diffusers, and each family's own (opensora-v1.2, wan2.1)."""
+    return OWN_VAE_KINDS + encoder_kinds("vae_kinds")
 
 # diffusers autoencoders that take one image [N,C,H,W]; videos are folded into frames.
 _IMAGE_VAE_CLASSES = (
@@ -430,7 +435,7 @@ def _vae_class(config: dict, where: str) -> tuple[type, bool]:
         reason = _UNSUPPORTED_CLASSES.get(class_name or "", "it is not a supported diffusers VAE")
         raise UserError(
             f"{where} holds _class_name={class_name!r}, but {reason}; use a VAE folder of one "
-            f"of: {supported} (or set vae.kind to one of: {', '.join(VAE_KINDS)})"
+            f"of: {supported} (or set vae.kind to one of: {', '.join(vae_kinds())})"
         )
     if class_name in _VIDEO_VAE_CLASSES:
         return cls, True
@@ -456,24 +461,19 @@ def build_vae(
     class named by ``_class_name`` in its config.json picks :class:`Diffusers2DVAE` or
     :class:`Diffusers3DVAE` (explicit tables above, then the name/config fallback).
     ``scaling_factor`` overrides the config's value.
-    ``kind='opensora-v1.2'``: Open-Sora 1.2's VAE folder at ``path``/``subfolder``
-    (:func:`load_opensora_vae`); its normalisation is the checkpoint's shift/scale.
+    A family's own kind (``opensora-v1.2``, ``wan2.1``): built by its spec
+    (``ModelSpec.build_vae``), with the normalisation of its release.
     ``micro_batch``: frames per (SD-)VAE pass; ``temporal_micro_batch``: 17-frame pieces per
     pass of Open-Sora's temporal VAE.
     """
     if kind == "identity":
         return IdentityVAE(scaling_factor if scaling_factor is not None else 1.0)
-    if kind == "opensora-v1.2":
-        if scaling_factor is not None:
-            raise UserError("vae.scaling_factor does not apply to vae.kind=opensora-v1.2 (its latents are "
-                            "normalised by the checkpoint's shift and scale); remove it")
-        return load_opensora_vae(path, subfolder, micro_batch=micro_batch,
-                                 temporal_micro_batch=temporal_micro_batch, dtype=dtype)
-    if kind == "wan2.1":
-        from videodit.models.wan.vae import build_wan_vae  # lazy: imports the Wan package only when asked
-        return build_wan_vae(path, subfolder, scaling_factor=scaling_factor, micro_batch=micro_batch, dtype=dtype)
+    family = encoder_spec("vae_kinds", kind)
+    if family is not None:   # a family's own VAE (Open-Sora 1.2's, Wan's): its spec builds it
+        return family.build_vae(kind, path, subfolder, scaling_factor=scaling_factor, micro_batch=micro_batch,
+                                temporal_micro_batch=temporal_micro_batch, dtype=dtype)
     if kind != "diffusers":
-        raise UserError(f"vae.kind={kind!r} is not supported; choose one of: {', '.join(VAE_KINDS)}")
+        raise UserError(f"vae.kind={kind!r} is not supported; choose one of: {', '.join(vae_kinds())}")
 
     config = _read_model_config(path, subfolder)
     where = _where(path, subfolder)
@@ -493,7 +493,7 @@ def build_vae(
 
 
 __all__ = [
-    "VAE_KINDS",
+    "vae_kinds",
     "FrozenVAE",
     "IdentityVAE",
     "Diffusers2DVAE",

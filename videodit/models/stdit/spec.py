@@ -80,6 +80,16 @@ class StditSpec(ModelSpec):
     def caption_channels(self, tensors: dict[str, torch.Tensor]) -> int:
         return tensors["caption_embedder.null_caption"].shape[1]
 
+    vae_kinds = ("opensora-v1.2",)
+
+    def build_vae(self, kind, path, subfolder, *, scaling_factor, micro_batch, temporal_micro_batch, dtype):
+        if scaling_factor is not None:
+            raise UserError("vae.scaling_factor does not apply to vae.kind=opensora-v1.2 (its latents are "
+                            "normalised by the checkpoint's shift and scale); remove it")
+        from videodit.models.stdit.opensora_vae import load_opensora_vae   # diffusers, only when asked
+        return load_opensora_vae(path, subfolder, micro_batch=micro_batch,
+                                 temporal_micro_batch=temporal_micro_batch, dtype=dtype)
+
     released_name = "Open-Sora STDiT3"
     released_format = "opensora-stdit3"
     released_short = "Open-Sora"

@@ -44,6 +44,18 @@ class WanSpec(ModelSpec):
     sequence_parallel = "full_attention"
     released_encoders = (16, 4096, 512)   # Wan 2.1's VAE, umT5-XXL at 512 tokens
     lora_targets = tuple(LORA_TARGETS["wan"])   # lora.targets' default (config/schema.py)
+    vae_kinds = ("wan2.1",)
+    text_kinds = ("umt5",)
+
+    def build_vae(self, kind, path, subfolder, *, scaling_factor, micro_batch, temporal_micro_batch, dtype):
+        from videodit.models.wan.vae import build_wan_vae   # diffusers, only when asked
+        return build_wan_vae(path, subfolder, scaling_factor=scaling_factor, micro_batch=micro_batch, dtype=dtype)
+
+    def build_text_encoder(self, kind, path, max_length, dtype):
+        """umT5-XXL, 512 tokens unless ``text.max_length`` says otherwise."""
+        from videodit.models.wan.text import load_umt5   # transformers, only when asked
+        return load_umt5(path, max_length=max_length or 512, dtype=dtype)
+
     released_name = "Wan 2.1 (Wan's or diffusers' folder)"
     released_format = "wan2.1"
     released_short = "Wan"
