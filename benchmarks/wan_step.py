@@ -54,8 +54,10 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 
 from diffusers import WanTransformer3DModel  # noqa: E402
+from make_wan_fixtures import randomize  # noqa: E402  (the fixtures' weights: nothing zero or one)
 
 from videodit.models.wan import layouts  # noqa: E402
 from videodit.models.wan.model import WanDiT, WanGeometry  # noqa: E402
@@ -65,19 +67,6 @@ GEOMETRY = WanGeometry(dim=512, ffn_dim=2048, num_heads=8, num_layers=6, text_di
 LATENT = (2, 16, 3, 24, 32)          # B, C, T, H, W
 CAPTION_TOKENS = (200, 120)           # real tokens per sample; the rest of the 512 are zeros
 TIMES = (0.3, 0.8)
-
-
-def randomize(model: torch.nn.Module, generator: torch.Generator) -> None:
-    """Seeded values for every weight (as scripts/make_wan_fixtures.py): nothing stays zero or one."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=generator)
-            if p.dim() >= 2 and "modulation" not in name:
-                p.copy_(noise / p[0].numel() ** 0.5)
-            elif name.endswith("weight") and "norm" in name:
-                p.copy_(1 + 0.2 * noise)
-            else:
-                p.copy_(0.2 * noise)
 
 
 def build_models(geometry: WanGeometry):

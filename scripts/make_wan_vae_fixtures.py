@@ -60,9 +60,7 @@ def _einops_stand_in() -> None:
 
 def import_wan_vae(checkout: Path):
     """wan/modules/vae.py as a stand-alone module."""
-    try:
-        import einops  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("einops") is None:
         _einops_stand_in()
     path = checkout / "wan" / "modules" / "vae.py"
     spec = importlib.util.spec_from_file_location("wan_reference_vae", path)

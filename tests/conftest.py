@@ -68,3 +68,23 @@ def torchrun(nproc: int, *args: str, timeout: int = 300) -> subprocess.Completed
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def damage_shard(folder, how: str, shard: int = 0) -> None:
+    """Damage a feature-cache shard in place: ``flipped`` flips a data byte; ``header`` edits its
+    safetensors header to other valid shapes (the same bytes, so only the index can tell)."""
+    import re
+    from pathlib import Path
+
+    path = Path(folder) / "shards" / f"shard-{shard:05d}.safetensors"
+    data = bytearray(path.read_bytes())
+    if how == "flipped":
+        data[-100] ^= 0xFF
+    else:
+        n = int.from_bytes(data[:8], "little")
+        header = data[8 : 8 + n].decode()
+        m = re.search(r'"shape":\[(\d+),(\d+),(\d+),(\d+)\]', header)
+        assert m.group(1) != m.group(4)   # reversed, the shape really changes
+        header = header[: m.start()] + '"shape":[' + ",".join(reversed(m.groups())) + "]" + header[m.end():]
+        data[8 : 8 + n] = header.encode()
+    path.write_bytes(data)

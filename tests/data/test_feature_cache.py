@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_overrides, torchrun
+from conftest import damage_shard, tiny_overrides, torchrun
 from videodit.cache import build_cache
 from videodit.cli import main
 from videodit.config import load_config
@@ -226,25 +226,6 @@ def strip_checksums(folder):
         pq.write_table(pq.read_table(path).replace_schema_metadata(None), path)
 
 
-def damage(folder, how, shard=1):
-    """Flip a data byte of a shard, or edit its header to other valid shapes (same bytes)."""
-    import re
-
-    path = folder / "shards" / f"shard-{shard:05d}.safetensors"
-    data = bytearray(path.read_bytes())
-    if how == "flipped":
-        data[-100] ^= 0xFF
-    else:
-        n = int.from_bytes(data[:8], "little")
-        header = data[8 : 8 + n].decode()
-        m = re.search(r'"shape":\[(\d+),(\d+),(\d+),(\d+)\]', header)
-        assert m.group(1) != m.group(4)
-        header = header[: m.start()] + '"shape":[' + ",".join(reversed(m.groups())) + "]" + header[m.end():]
-        data[8 : 8 + n] = header.encode()
-    path.write_bytes(bytes(data))
-    return path
-
-
 def read_all(folder):
     cache = FeatureCache(folder)
     for row in range(len(cache)):
@@ -260,7 +241,7 @@ def test_a_damaged_shard_is_refused_in_one_line_at_its_first_read(clean_cache, t
     if old:
         strip_checksums(folder)
     read_all(folder)   # intact: every sample reads
-    damage(folder, how)
+    damage_shard(folder, how, shard=1)
     with pytest.raises(UserError) as raised:
         read_all(folder)
     message = str(raised.value)
@@ -288,8 +269,8 @@ def test_cache_info_reports_damaged_shards(clean_cache, tmp_path, capsys, how):
     assert main(["cache", "info", str(folder), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["checksums"] and info["shards_checked"] == 4 and info["damaged"] == []
-    damage(folder, how, shard=2)
-    damage(folder, "flipped", shard=3)
+    damage_shard(folder, how, shard=2)
+    damage_shard(folder, "flipped", shard=3)
     assert main(["cache", "info", str(folder), "--json"]) == 1   # damage: non-zero, for scripts
     info = json.loads(capsys.readouterr().out)
     assert [d["shard"] for d in info["damaged"]] == [2, 3]
@@ -306,7 +287,7 @@ def test_cache_info_says_a_cache_of_before_checksums_is_not_verified(clean_cache
     assert main(["cache", "info", str(folder)]) == 0
     text = capsys.readouterr().out
     assert "not verified by checksum" in text and "none damaged" in text
-    damage(folder, "header")
+    damage_shard(folder, "header", shard=1)
     assert main(["cache", "info", str(folder), "--json"]) == 1
     info = json.loads(capsys.readouterr().out)
     assert not info["checksums"] and [d["shard"] for d in info["damaged"]] == [1]
@@ -316,7 +297,7 @@ def test_cache_info_says_a_cache_of_before_checksums_is_not_verified(clean_cache
 def test_a_build_into_the_same_out_redoes_damaged_shards(toy_dir, clean_cache, tmp_path, how, monkeypatch):
     folder = tmp_path / "c"
     shutil.copytree(clean_cache, folder)
-    damage(folder, how)
+    damage_shard(folder, how, shard=1)
     redone, lines = [], []
     real_write = ShardWriter.write
     monkeypatch.setattr(ShardWriter, "write", lambda self: (redone.append(self.shard), real_write(self)))

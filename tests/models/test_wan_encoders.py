@@ -255,7 +255,7 @@ def test_malformed_checkpoints_are_refused(tmp_path):
     del state["decoder.upsamples.7.time_conv.weight"]
     torch.save(state, tmp_path / "partial.pth")
     _one_line_error(lambda: build_wan_vae(str(tmp_path / "partial.pth")),
-                    r"tensor decoder\.up_blocks\.1\.upsamplers\.0\.time_conv\.weight .* is missing \(1 such")
+                    r"tensor decoder\.up_blocks\.1\.upsamplers\.0\.time_conv\.weight is missing \(1 such")
     renamed = {to_diffusers_name(k, 2): v for k, v in state.items()}
     save_file(renamed, str(tmp_path / "diffusers_names.safetensors"))
     _one_line_error(lambda: build_wan_vae(str(tmp_path / "diffusers_names.safetensors")), r"diffusers' tensor names")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_overrides
+from conftest import damage_shard, tiny_overrides
 from videodit.cache import build_cache
 from videodit.config import load_config
 from videodit.train.trainer import Trainer
@@ -189,23 +189,6 @@ def test_real_encoders_from_the_cache_give_the_on_the_fly_losses(family, toy_dir
 
 
 # --------------------------------------------------------------------------- damaged shards
-
-
-def damage_shard(folder, how, shard=0):
-    """Flip a data byte of a shard, or edit its header to other valid shapes (same bytes)."""
-    import re
-
-    path = Path(folder) / "shards" / f"shard-{shard:05d}.safetensors"
-    data = bytearray(path.read_bytes())
-    if how == "flipped":
-        data[-100] ^= 0xFF
-    else:
-        n = int.from_bytes(data[:8], "little")
-        header = data[8 : 8 + n].decode()
-        m = re.search(r'"shape":\[(\d+),(\d+),(\d+),(\d+)\]', header)
-        header = header[: m.start()] + '"shape":[' + ",".join(reversed(m.groups())) + "]" + header[m.end():]
-        data[8 : 8 + n] = header.encode()
-    path.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("how", ["clean", "flipped", "header", "flipped-in-a-worker"])

@@ -46,6 +46,25 @@ def latent_frames(num_frames: int, chunk: int | None = CHUNK_FRAMES, factor: int
     return sum(math.ceil(n / factor) for n in clip_pieces(num_frames, chunk))
 
 
+def load_strict(module: nn.Module, tensors: dict[str, Tensor], *, where: str, fix: str, prefix: str = "",
+                stranger: str = "is not in the architecture") -> None:
+    """Load ``module`` (built on the meta device) from its ``prefix``ed ``tensors``, strictly: a
+    missing, unexpected (``stranger`` says how) or mis-shaped tensor is a one-line error naming
+    it and ``fix``."""
+    expected = module.state_dict()
+    given = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    missing = sorted(set(expected) - set(given))
+    unexpected = sorted(set(given) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(given) if expected[k].shape != given[k].shape)
+    if missing or unexpected or wrong:
+        name = (missing or unexpected or wrong)[0]
+        problem = "is missing" if missing else stranger if unexpected else \
+            f"has shape {tuple(given[name].shape)}, the architecture wants {tuple(expected[name].shape)}"
+        count = len(missing) + len(unexpected) + len(wrong)
+        raise UserError(f"{where}: tensor {prefix}{name} {problem} ({count} such tensors); {fix}")
+    module.load_state_dict(given, strict=True, assign=True)
+
+
 class FrozenVAE(nn.Module):
     """Shared plumbing for all adapters: freezing, the per-frame size rule, input checks."""
 
@@ -104,4 +123,4 @@ class FrozenVAE(nn.Module):
         raise NotImplementedError
 
 
-__all__ = ["CHUNK_FRAMES", "FrozenVAE", "clip_pieces", "latent_frames"]
+__all__ = ["CHUNK_FRAMES", "FrozenVAE", "clip_pieces", "latent_frames", "load_strict"]

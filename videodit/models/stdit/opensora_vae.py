@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from videodit.errors import UserError
 from videodit.models.stdit.temporal_vae import TemporalVAE, TemporalVAEConfig, clip_pieces, latent_frames
-from videodit.models.vae_base import FrozenVAE
+from videodit.models.vae_base import FrozenVAE, load_strict
 
 # Open-Sora's VideoAutoencoderKL multiplies SD-VAE latents by this, whatever the SD-VAE's config says.
 SD_SCALE = 0.18215
@@ -209,23 +209,6 @@ def _checkpoint(folder: Path, where: str) -> dict[str, Tensor]:
         raise UserError(f"cannot read {weights} ({exc}); fix or replace it") from None
 
 
-def _load_part(module: nn.Module, tensors: dict[str, Tensor], prefix: str, where: str, fix: str) -> None:
-    """Load ``module`` (built on the meta device) from its ``prefix``ed tensors, strictly; a
-    missing, unexpected or mis-shaped tensor is a one-line error naming it and ``fix``."""
-    expected = module.state_dict()
-    given = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-    missing = sorted(set(expected) - set(given))
-    unexpected = sorted(set(given) - set(expected))
-    wrong = sorted(k for k in set(expected) & set(given) if expected[k].shape != given[k].shape)
-    if missing or unexpected or wrong:
-        name = (missing or unexpected or wrong)[0]
-        problem = "is missing" if missing else "is not in the architecture" if unexpected else \
-            f"has shape {tuple(given[name].shape)}, the architecture wants {tuple(expected[name].shape)}"
-        count = len(missing) + len(unexpected) + len(wrong)
-        raise UserError(f"{where}: tensor {prefix}{name} {problem} ({count} such tensors); {fix}")
-    module.load_state_dict(given, strict=True, assign=True)
-
-
 def _normalisation(tensors: dict[str, Tensor], channels: int, where: str) -> tuple[Tensor, Tensor]:
     """The checkpoint's ``shift`` and ``scale``: the only tensors besides the two VAEs."""
     others = {k for k in tensors if not k.startswith((SPATIAL_PREFIX, TEMPORAL_PREFIX))}
@@ -264,8 +247,8 @@ def load_opensora_vae(path: str | None, subfolder: str | None = None, *, micro_b
     if spatial.config.latent_channels != temporal_cfg.in_out_channels:
         raise UserError(f"{where}: the SD-VAE has {spatial.config.latent_channels} latent channels but the temporal "
                         f"VAE takes {temporal_cfg.in_out_channels}; {spatial_fix}")
-    _load_part(spatial, tensors, SPATIAL_PREFIX, where, spatial_fix)
-    _load_part(temporal, tensors, TEMPORAL_PREFIX, where, "fix vae_temporal in config.json")
+    load_strict(spatial, tensors, prefix=SPATIAL_PREFIX, where=where, fix=spatial_fix)
+    load_strict(temporal, tensors, prefix=TEMPORAL_PREFIX, where=where, fix="fix vae_temporal in config.json")
     shift, scale = _normalisation(tensors, temporal_cfg.embed_dim, where)
     vae = OpenSoraVAE(spatial, temporal, shift, scale, chunk=chunk, micro_batch=micro_batch,
                       temporal_micro_batch=temporal_micro_batch)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from videodit.errors import UserError
-from videodit.models.vae_base import FrozenVAE
+from videodit.models.vae_base import FrozenVAE, load_strict
 
 # Wan 2.1's latent statistics (``WanVAE.__init__`` in wan/modules/vae.py, diffusers' defaults).
 WAN21_LATENTS_MEAN = (-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
@@ -221,23 +221,6 @@ def to_diffusers_name(name: str, num_res_blocks: int) -> str:
     return f"{part}.up_blocks.{stage}.{inner}.{tail}"
 
 
-def _load_strict(model: nn.Module, tensors: dict[str, Tensor], where: str) -> None:
-    """Load ``model`` (built on the meta device) from ``tensors``; any missing, extra or
-    mis-shaped tensor is a one-line error naming it."""
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    wrong = sorted(k for k in set(expected) & set(tensors) if expected[k].shape != tensors[k].shape)
-    if missing or unexpected or wrong:
-        name = (missing or unexpected or wrong)[0]
-        problem = "is missing" if missing else "is not part of Wan 2.1's VAE" if unexpected else \
-            f"has shape {tuple(tensors[name].shape)}, the architecture wants {tuple(expected[name].shape)}"
-        count = len(missing) + len(unexpected) + len(wrong)
-        raise UserError(f"{where}: tensor {name} (diffusers' name) {problem} ({count} such tensors); is this "
-                        "Wan 2.1's VAE (Wan2.1_VAE.pth)?")
-    model.load_state_dict(tensors, strict=True, assign=True)
-
-
 def load_wan_checkpoint(file: Path, dtype: torch.dtype = torch.float32, latents_mean=None,
                         latents_std=None) -> nn.Module:
     """An ``AutoencoderKLWan`` from Wan's original checkpoint; its config carries the latent
@@ -259,7 +242,8 @@ def load_wan_checkpoint(file: Path, dtype: torch.dtype = torch.float32, latents_
         model = AutoencoderKLWan(**config)
     # Cast before loading: assign=True keeps the given tensors (ModelMixin.to(dtype) would warn).
     renamed = {to_diffusers_name(k, config["num_res_blocks"]): v.to(dtype) for k, v in state.items()}
-    _load_strict(model, renamed, where)
+    load_strict(model, renamed, where=f"{where} (diffusers' names)", stranger="is not part of Wan 2.1's VAE",
+                fix="is this Wan 2.1's VAE (Wan2.1_VAE.pth)?")
     return model
 
 
