@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from videodit.config import LoraConfig
+from videodit.config.schema import LORA_TARGETS
 from videodit.errors import UserError
 from videodit.models.families import get_spec
 from videodit.models.lora import add_adapters, is_adapter_name, target_paths
@@ -40,7 +41,7 @@ def test_diffusers_targets_train_adapters_under_wan_names():
     torch.manual_seed(0)
     geometry = WanGeometry(dim=32, ffn_dim=64, num_heads=2, num_layers=1, text_dim=16, freq_dim=16)
     names = []
-    for targets in (list(get_spec("wan").lora_targets),
+    for targets in (LORA_TARGETS["wan"],
                     ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "ffn.net.0.proj", "ffn.net.2"]):
         model = add_adapters(WanDiT(geometry), LoraConfig(rank=2, targets=targets))
         names.append(sorted(n for n, p in model.named_parameters() if p.requires_grad))
@@ -62,7 +63,7 @@ def test_stdit_targets_unchanged():
     with torch.device("meta"):
         model = STDiT(DiTGeometry(in_channels=3, caption_channels=16, caption_length=8, depth=1, hidden_size=32,
                                   num_heads=2))
-    paths = target_paths(model, list(spec.lora_targets))
-    assert len(paths) == len(model.blocks) * len(spec.lora_targets)
+    paths = target_paths(model, LORA_TARGETS["stdit"])
+    assert len(paths) == len(model.blocks) * len(LORA_TARGETS["stdit"])
     with pytest.raises(UserError, match=r"'attn1.to_q' is not a Linear layer"):
         target_paths(model, ["attn1.to_q"])

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from conftest import torchrun
 from videodit.errors import UserError
-from videodit.parallel.full_attention import check_full_attention_sp
 from videodit.parallel.ring_attention import block_backward, block_forward, merge, valid_keys
 
 WORKER = Path(__file__).parent / "workers" / "full_attention_worker.py"
@@ -68,13 +67,18 @@ def test_blockwise_attention_merged_by_lse_is_full_attention(kernel, dtype):
 
 
 def test_impossible_layouts_are_one_line_user_errors():
-    check_full_attention_sp(num_heads=12, sp=8, ring_degree=2)    # 4 Ulysses ranks split 12 heads
-    check_full_attention_sp(num_heads=5, sp=4, ring_degree=4)     # ring only: any head count
+    from videodit.models.families import get_spec
+    check = get_spec("wan").check_sequence_parallel   # the family checks its sizes (parallel/dims.py asks)
+    check(12, tp=1, sp=8, ring=2)    # 4 Ulysses ranks split 12 heads
+    check(5, tp=1, sp=4, ring=4)     # ring only: any head count
     with pytest.raises(UserError, match=r"^parallel.sp=8 with parallel.sp_ring=1 leaves 8 Ulysses ranks, which "
-                                        r"do not divide the 12 attention heads; valid parallel.sp_ring: 2, 4, 8 "):
-        check_full_attention_sp(num_heads=12, sp=8, ring_degree=1)
+                                        r"do not divide the 12 attention heads per tensor-parallel rank; valid "
+                                        r"parallel.sp_ring: 2, 4, 8 "):
+        check(12, tp=1, sp=8, ring=1)
     with pytest.raises(UserError, match=r"^parallel.sp_ring=3 does not divide parallel.sp=4; valid: 1, 2, 4$"):
-        check_full_attention_sp(num_heads=12, sp=4, ring_degree=3)
+        check(12, tp=1, sp=4, ring=3)
+    with pytest.raises(UserError, match="6 attention heads per tensor-parallel rank"):
+        check(12, tp=2, sp=4, ring=1)
 
 
 def run_layouts(tmp_path, nproc: int, layouts: list[dict]) -> dict:

@@ -21,7 +21,8 @@ What a spec answers, grouped as the system asks:
 * **parallel plans**, declared as data so that model code stays free of torch.distributed:
   a tensor-parallel plan per block and at the root, the sequence-parallel scheme, the
   parameters whose gradients tensor parallelism leaves partial;
-* **LoRA** default targets; **FLOPs** per block; the planner's **activation** sizes.
+* **LoRA** target names in other namings; **FLOPs** per block; the planner's **activation** sizes.
+  (The default targets live with the config: ``config/schema.py``'s ``LORA_TARGETS``.)
 """
 
 from __future__ import annotations
@@ -128,7 +129,6 @@ class ModelSpec:
     geometry_type: type               # the frozen dataclass of the model's arguments
     sequence_parallel: str            # "stdit_frames" or "full_attention" (parallel/ maps it)
     sequence_args: dict = {}          # full_attention: block arg -> token dim, or (dim, ndim) when per token
-    lora_targets: tuple[str, ...]     # default lora.targets (paths inside every block)
     released_encoders: tuple[int, int, int]   # (latent channels, caption channels, caption tokens) of its releases
 
     # ------------------------------------------------------------------ build

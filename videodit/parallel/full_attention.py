@@ -38,29 +38,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from videodit.errors import UserError
 from videodit.models.layers import AttentionBackend
-from videodit.parallel.dims import divisors
 from videodit.parallel.ring_attention import ring_attention
 from videodit.parallel.sequence import _AllToAll, _GatherForIdenticalLoss
 
 # Where an argument's tokens are: a dim, or (dim, ndim) for an argument that is per token only
 # in its ndim-dimensional form (e0: [B, L, 6, D] per token, [B, 6, D] shared).
 SequenceDim = int | tuple[int, int]
-
-
-def check_full_attention_sp(num_heads: int, sp: int, ring_degree: int) -> None:
-    """Raise a one-line UserError if sp cannot run as ``sp / ring_degree`` Ulysses x ``ring_degree``
-    ring ranks over ``num_heads`` heads (per tensor-parallel rank, where TP splits them)."""
-    if ring_degree < 1 or sp % ring_degree:
-        raise UserError(f"parallel.sp_ring={ring_degree} does not divide parallel.sp={sp}; valid: "
-                        f"{', '.join(map(str, divisors(sp)))}")
-    ulysses = sp // ring_degree
-    if num_heads % ulysses:
-        valid = [ring for ring in divisors(sp) if num_heads % (sp // ring) == 0]
-        raise UserError(f"parallel.sp={sp} with parallel.sp_ring={ring_degree} leaves {ulysses} Ulysses ranks, "
-                        f"which do not divide the {num_heads} attention heads; valid parallel.sp_ring: "
-                        f"{', '.join(map(str, valid))} (sp_ring={sp}: ring only, any head count)")
 
 
 # ---------------------------------------------------------------------------- groups

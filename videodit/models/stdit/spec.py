@@ -8,7 +8,6 @@ import json
 import torch
 from torch import nn
 
-from videodit.config.schema import LORA_TARGETS
 from videodit.errors import UserError
 from videodit.models.flop_count import FlopCount
 from videodit.models.spec import ActivationDims, Conditions, ModelSpec, TensorParallelPlan
@@ -47,7 +46,6 @@ class StditSpec(ModelSpec):
     geometry_type = DiTGeometry
     sequence_parallel = "stdit_frames"
     released_encoders = (4, 4096, 300)   # Open-Sora 1.2: its VAE, T5-XXL at 300 tokens
-    lora_targets = tuple(LORA_TARGETS["stdit"])   # lora.targets' default (config/schema.py)
 
     def geometry(self, m, latent_channels: int, caption_channels: int, caption_length: int) -> DiTGeometry:
         return DiTGeometry(in_channels=latent_channels, caption_channels=caption_channels,

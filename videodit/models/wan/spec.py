@@ -15,7 +15,6 @@ import json
 import torch
 from torch import nn
 
-from videodit.config.schema import LORA_TARGETS
 from videodit.errors import UserError
 from videodit.models.flop_count import FlopCount
 from videodit.models.spec import ActivationDims, Conditions, ModelSpec, TensorParallelPlan
@@ -43,7 +42,6 @@ class WanSpec(ModelSpec):
     geometry_type = WanGeometry
     sequence_parallel = "full_attention"
     released_encoders = (16, 4096, 512)   # Wan 2.1's VAE, umT5-XXL at 512 tokens
-    lora_targets = tuple(LORA_TARGETS["wan"])   # lora.targets' default (config/schema.py)
     vae_kinds = ("wan2.1",)
     text_kinds = ("umt5",)
 
@@ -165,15 +163,18 @@ class WanSpec(ModelSpec):
         return [(x, [0, 1]), (e0, [0, 1] if e0.dim() == 4 else [0]), (context, [0]), (rope, [0])]
 
     def check_sequence_parallel(self, num_heads: int, *, tp: int, sp: int, ring: int) -> None:
-        """Ulysses splits each TP rank's heads sp/ring ways; ring attention takes any size."""
-        if sp % ring:
-            raise UserError(f"parallel.sp_ring={ring} must divide parallel.sp={sp} (sp = Ulysses degree x ring "
-                            f"degree); choose a divisor of {sp}")
+        """sp = Ulysses x ring: Ulysses splits each TP rank's heads sp/ring ways; ring attention
+        (``parallel.sp_ring``) takes any size."""
+        divisors = [d for d in range(1, sp + 1) if sp % d == 0]
+        if ring < 1 or sp % ring:
+            raise UserError(f"parallel.sp_ring={ring} does not divide parallel.sp={sp}; valid: "
+                            f"{', '.join(map(str, divisors))}")
         ulysses, heads = sp // ring, num_heads // tp
         if heads % ulysses:
-            raise UserError(f"Ulysses sequence parallelism of degree parallel.sp/parallel.sp_ring={ulysses} must "
-                            f"divide the {heads} heads per tensor-parallel rank; set parallel.sp_ring={sp} (ring "
-                            f"attention takes any size) or a parallel.sp whose Ulysses part divides {heads}")
+            valid = [r for r in divisors if heads % (sp // r) == 0]
+            raise UserError(f"parallel.sp={sp} with parallel.sp_ring={ring} leaves {ulysses} Ulysses ranks, which "
+                            f"do not divide the {heads} attention heads per tensor-parallel rank; valid "
+                            f"parallel.sp_ring: {', '.join(map(str, valid))} (sp_ring={sp}: ring only, any head count)")
 
     # ------------------------------------------------------------------ FLOPs, memory
 
