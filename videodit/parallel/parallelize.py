@@ -12,6 +12,7 @@ here, not in the training loop).
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
@@ -54,7 +55,7 @@ class ParallelModel:
     partial_gradients: list[str] = field(default_factory=list)   # summed over TP after backward
     compile_stats: CompileStats | None = None                      # graphs compiled for the blocks
 
-    @property
+    @functools.cached_property
     def frame_mask_index(self) -> int | None:
         """Where the model inputs carry ``x_mask`` (the family's, for frame conditioning)."""
         return spec_of(self.local_model).frame_mask_index()
