@@ -67,9 +67,13 @@ class _GatherForIdenticalLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(pieces, x.contiguous(), group=group)
-        return torch.cat(pieces, dim=dim)
+        # Gathered straight into the result (a view of one buffer, no concatenated copy): the
+        # collective's buffers are what the caller keeps, never a second grid that the process
+        # group may release later (it made the planner's sp=2 measurement flaky).
+        moved = x.movedim(dim, 0).contiguous()
+        out = moved.new_empty((dist.get_world_size(group) * moved.shape[0], *moved.shape[1:]))
+        dist.all_gather_into_tensor(out, moved, group=group)
+        return out.movedim(0, dim)
 
     @staticmethod
     def backward(ctx, grad):
