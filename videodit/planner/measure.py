@@ -95,7 +95,7 @@ def measure_step(model: torch.nn.Module, forward_loss: Callable[[], torch.Tensor
     with LiveMemory() as tracker:
         loss = forward_loss()
         # Reference cycles that forward left behind are garbage, not activations; whether
-        # Python's collector has run yet is chance (it made the sp=2 measurement flaky).
+        # Python's collector has run yet is chance.
         gc.collect()
         activations = tracker.live
         loss.backward()
