@@ -14,6 +14,11 @@ def os_error_message(exc: OSError) -> str:
     """One line for a failed file operation: what happened, to which file, and what to do."""
     import errno
 
+    from videodit.user_files import FileTooLarge, NotRegularFile
+
+    if isinstance(exc, (NotRegularFile, FileTooLarge)):   # their wording carries the fix
+        return f"{exc.filename} is {exc.strerror}" if isinstance(exc, NotRegularFile) else \
+            f"{exc.filename} has {exc.strerror}; give a smaller file"
     what = " ".join((exc.strerror or str(exc) or type(exc).__name__).split())
     where = f" ({exc.filename})" if exc.filename else ""
     if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
