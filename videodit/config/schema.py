@@ -136,6 +136,9 @@ class DataConfig:
     metadata_cache: Optional[str] = opt("auto", "folder for the checked, memory-mapped copy of data.csv that "
                                         "the ranks of a node share: auto (~/.cache/videodit/metadata, for files "
                                         "of 64 MiB or more), a folder, or null (each process reads its own)")
+    max_pixels: int = opt(16384 * 16384 // 4, "largest decoded frame (height x width) a clip or image may have: "
+                          "larger ones are skipped and reported like unreadable files, before their frames are "
+                          "decoded (a crafted 16000x16000 clip would need ~12 GB)", min=1)
     max_bad_fraction: float = opt(0.05, "stop when more than this fraction of file reads fail",
                                   min=0.0, max=1.0)
     on_change: str = opt("error", "on resume with a changed dataset or bucket config: error or "
