@@ -1,10 +1,9 @@
-"""What a training run needs around its loop: seeding, signals, resume checks, run info."""
+"""What a training run needs around its loop: seeding, resume checks, run info (signals: stop.py)."""
 
 from __future__ import annotations
 
 import platform
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -52,31 +51,6 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
         else:
             flat[prefix + key] = value
     return flat
-
-
-class StopSignals:
-    """SIGTERM / SIGINT ask the loop to stop after the current step (then it saves)."""
-
-    def __init__(self):
-        self.requested: str | None = None
-        self._previous = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:   # not the main thread: leave signals alone
-                pass
-        return self
-
-    def _handle(self, signum, frame):
-        if self.requested:   # a second signal: stop now
-            raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def run_info(num_params: int) -> dict:

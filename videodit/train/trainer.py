@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +49,8 @@ from videodit.toy.make import ensure_toy_data
 from videodit.train.ema import EMA
 from videodit.train.metrics import MetricsLogger, Throughput, peak_tflops
 from videodit.train.run_folder import RunFolder
-from videodit.train.runtime import StopSignals, check_config_change, run_info, seed_everything
+from videodit.train.runtime import check_config_change, run_info, seed_everything
+from videodit.train.stop import StopSignals, StoppedWaitingForData
 from videodit.train.state import TrainState, init_weights_from
 from videodit.train.validation import Validator
 
@@ -176,7 +178,8 @@ class Trainer:
         try:
             with StopSignals() as stop:
                 while progress.step < tc.max_steps and not stopping:
-                    micro_batches = [next(batches) for _ in range(tc.grad_accum)]
+                    with stop.waiting_for_data():   # a stop signal here ends the run at once
+                        micro_batches = [next(batches) for _ in range(tc.grad_accum)]
                     loss, grad_norm = self.train_step(micro_batches)
                     progress.step += 1
                     throughput.add(sum(len(b) for b in micro_batches), sum(map(self.model_flops, micro_batches)))
@@ -210,6 +213,14 @@ class Trainer:
                     self.validate(metrics)
                 self.save()
             self.checkpoints.wait()
+        except StoppedWaitingForData as stopped:
+            if self.is_main:
+                self.checkpoints.wait()
+                latest = self.checkpoints.latest()
+                kept = f"{latest.name} is intact: resume with resume=auto" if latest else "no checkpoint was saved yet"
+                print(f"stopping on {stopped} while waiting for data after step {progress.step}, without saving "
+                      f"(the next step's batches were partly read); {kept}", file=sys.stderr, flush=True)
+            raise
         finally:
             bar.close()
             metrics.close()
