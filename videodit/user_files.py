@@ -47,13 +47,10 @@ def check_regular_file(path: str | os.PathLike) -> Path:
     return Path(path)
 
 
-def open_user_file(path: str | os.PathLike, mode: str = "rb", *, max_bytes: int | None = None,
-                   encoding: str | None = None):
-    """``path`` opened for reading (``mode`` "rb" or "r"), refused unless it is a regular file
-    of at most ``max_bytes``. The open itself never blocks: it is non-blocking until the file is
-    known to be regular, then blocking as usual."""
-    if mode not in ("rb", "r"):
-        raise ValueError(f"open_user_file reads only, not mode {mode!r}")
+def open_user_fd(path: str | os.PathLike, *, max_bytes: int | None = None) -> int:
+    """A read-only descriptor of ``path``, refused unless it is a regular file of at most
+    ``max_bytes``. The open itself never blocks: it is non-blocking until the file is known to
+    be regular, then blocking as usual."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
@@ -70,10 +67,18 @@ def open_user_file(path: str | os.PathLike, mode: str = "rb", *, max_bytes: int 
                                str(path))
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
-        return os.fdopen(fd, mode, encoding=encoding if mode == "r" else None)
+        return fd
     except BaseException:
         os.close(fd)
         raise
+
+
+def open_user_file(path: str | os.PathLike, mode: str = "rb", *, max_bytes: int | None = None,
+                   encoding: str | None = None):
+    """``path`` opened for reading (``mode`` "rb" or "r") under :func:`open_user_fd`'s rule."""
+    if mode not in ("rb", "r"):
+        raise ValueError(f"open_user_file reads only, not mode {mode!r}")
+    return os.fdopen(open_user_fd(path, max_bytes=max_bytes), mode, encoding=encoding if mode == "r" else None)
 
 
 def read_user_bytes(path: str | os.PathLike, *, max_bytes: int | None = None) -> bytes:
@@ -88,3 +93,18 @@ def read_user_bytes(path: str | os.PathLike, *, max_bytes: int | None = None) ->
 def read_user_text(path: str | os.PathLike, *, max_bytes: int | None = None, encoding: str = "utf-8") -> str:
     """The text of a regular file of at most ``max_bytes``."""
     return read_user_bytes(path, max_bytes=max_bytes).decode(encoding)
+
+
+JSON_MAX_BYTES = 64 << 20   # configs and weight indexes are kilobytes; this bounds a crafted one
+
+
+def read_user_json(path: str | os.PathLike, *, max_bytes: int = JSON_MAX_BYTES):
+    """The JSON value of a regular file of at most ``max_bytes``; ``ValueError`` for bad JSON,
+    including nesting too deep to parse (which ``json`` reports as ``RecursionError``)."""
+    import json
+
+    text = read_user_text(path, max_bytes=max_bytes)
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply to be a config") from None

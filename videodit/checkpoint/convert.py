@@ -21,6 +21,7 @@ from videodit.checkpoint.tools import (check_new_folder, checkpoint_weights, exp
                                       write_model_folder)
 from videodit.errors import UserError
 from videodit.models.families import families, released_spec, spec_for_model_type, spec_of
+from videodit.user_files import read_user_json
 
 def import_released(src: str | Path, out_dir: str | Path, run_config: str, use_ema: bool = False,
                     dtype: str = "fp32") -> Path:
@@ -63,7 +64,7 @@ def _videodit_weights(path: Path, use_ema: bool):
     """Geometry and tensors of a model folder (its config.json) or a checkpoint (its run config)."""
     if is_export_dir(path):
         try:
-            config = json.loads((path / "config.json").read_text())
+            config = read_user_json(path / "config.json")
         except (ValueError, UnicodeDecodeError):
             config = None   # LoadedCheckpoint names the problem
         spec = spec_for_model_type(config.get("model_type")) if isinstance(config, dict) else None

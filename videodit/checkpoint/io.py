@@ -31,7 +31,6 @@ import math
 import os
 import re
 import shutil
-import stat
 import sys
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ import torch
 from videodit.checkpoint.writer import (CHUNK as _CHUNK, HashingWriter, Pipe, fsync_path, shared_hasher,
                                         write_tensors, write_text, write_torch)
 from videodit.errors import UserError
+from videodit.user_files import NotRegularFile, open_user_fd
 
 CHECKPOINT_RE = re.compile(r"^step-(\d{7,})$")
 STAGING_PREFIX = ".staging-"
@@ -147,15 +147,15 @@ def open_regular(file: Path, size: int | None = None, name: str | None = None) -
     Raises Damaged, naming the file ``name`` (default: its file name)."""
     name = name or file.name
     try:
-        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        fd = open_user_fd(file)
     except FileNotFoundError:
         raise Damaged(f"{name} is missing") from None
+    except NotRegularFile:
+        raise Damaged(f"{name} is not a regular file") from None
     except OSError as exc:
         raise Damaged(f"{name} cannot be read ({exc.strerror or exc})") from None
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise Damaged(f"{name} is not a regular file")
         if size is not None and info.st_size != size:
             raise Damaged(f"{name} has {info.st_size} bytes, the manifest says {size}")
     except BaseException:

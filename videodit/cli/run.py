@@ -6,7 +6,8 @@ import time
 from pathlib import Path
 
 from videodit.cli.args import first_line, guidance, out_of_memory, positive_int, split_config_args
-from videodit.errors import UserError
+from videodit.errors import UserError, os_error_message
+from videodit.user_files import read_user_text
 
 
 def cmd_train(ns) -> int:
@@ -80,9 +81,15 @@ def _read_prompts(ns) -> list[str]:
     if ns.prompt is not None:
         return [ns.prompt]
     path = Path(ns.prompts)
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"prompt file {ns.prompts!r} does not exist; pass --prompts FILE with one prompt a line")
-    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    try:
+        text = read_user_text(path, max_bytes=64 << 20)
+    except OSError as exc:
+        raise UserError(f"prompt file: {os_error_message(exc)}") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"prompt file {ns.prompts!r} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
         raise UserError(f"prompt file {ns.prompts!r} holds no prompts; write one prompt a line")
     return prompts

@@ -20,7 +20,8 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from videodit.config.schema import LORA_TARGETS, PARALLEL_ALIASES, ZERO_STAGES, Config
-from videodit.errors import UserError
+from videodit.errors import UserError, os_error_message
+from videodit.user_files import read_user_text
 
 PRESETS_PACKAGE = "videodit.config.presets"
 
@@ -41,11 +42,13 @@ def load_config(source: Optional[str] = None, overrides: Optional[list[str]] = N
 def _read_source(source: str) -> dict:
     path = Path(source)
     if path.suffix in (".yaml", ".yml") or path.exists():
-        if not path.is_file():
+        if not path.exists():
             raise UserError(f"config file {source!r} does not exist; pass a YAML file or one of the "
                             f"presets: {', '.join(builtin_presets())}")
         try:
-            text = path.read_text(encoding="utf-8-sig")
+            text = read_user_text(path, max_bytes=CONFIG_MAX_BYTES, encoding="utf-8-sig")
+        except OSError as exc:
+            raise UserError(f"config {source!r}: {os_error_message(exc)}") from None
         except UnicodeDecodeError as exc:
             raise UserError(f"config {source!r} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     elif source in builtin_presets():
@@ -63,6 +66,7 @@ def _read_source(source: str) -> dict:
     return raw
 
 
+CONFIG_MAX_BYTES = 16 << 20   # a config is kilobytes; a bigger file is a mistake or crafted
 MAX_YAML_NODES = 100_000   # values after expanding aliases; a config has a few hundred
 
 

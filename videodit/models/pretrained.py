@@ -8,7 +8,6 @@ on the fly. Nothing from the folder is executed.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -17,6 +16,7 @@ from torch import nn
 
 from videodit.errors import UserError
 from videodit.models.families import families, released_spec, spec_for_model_type
+from videodit.user_files import check_regular_file, read_user_json
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 
@@ -33,7 +33,7 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu", ema: b
                         "videodit ckpt export writes it) or released weights "
                         f"({', '.join(s.released_name for s in families().values())})")
     try:
-        config_dict = json.loads(config.read_text())
+        config_dict = read_user_json(config)
     except (ValueError, UnicodeDecodeError) as exc:
         raise UserError(f"{config} is not valid JSON ({exc}); write it with videodit ckpt export") from None
     model_type = config_dict.get("model_type") if isinstance(config_dict, dict) else None
@@ -43,7 +43,8 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu", ema: b
         known = ", ".join(repr(s.model_type) for s in families().values())
         raise UserError(f"{config} describes a {model_type!r} model; videodit loads its own model folders "
                         f"({known}) and released weights")
-    return _filled(spec, spec.geometry_from_config(config_dict), load_file(str(path / WEIGHTS_NAME))).to(device)
+    weights = load_file(str(check_regular_file(path / WEIGHTS_NAME)))
+    return _filled(spec, spec.geometry_from_config(config_dict), weights).to(device)
 
 
 def _filled(spec, geometry, tensors: dict[str, torch.Tensor]) -> nn.Module:

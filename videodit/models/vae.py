@@ -9,7 +9,6 @@ downloaded: diffusers models load with ``local_files_only=True``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from torch import Tensor, nn
 from videodit.errors import UserError
 from videodit.models.families import encoder_kinds, encoder_spec
 from videodit.models.vae_base import FrozenVAE
+from videodit.user_files import read_user_json
 
 OWN_VAE_KINDS = ("identity", "diffusers")   # built here; the families bring the others
 
@@ -408,7 +408,7 @@ def _read_model_config(path: str | None, subfolder: str | None) -> dict:
             "to a diffusers VAE folder saved with save_pretrained"
         )
     try:
-        return json.loads(config_file.read_text())
+        return read_user_json(config_file)
     except (OSError, ValueError) as exc:
         message = f"{_where(path, subfolder)}: cannot read config.json ({exc}); fix or replace vae.path"
         raise UserError(message) from None

@@ -25,7 +25,6 @@ import json
 import os
 import pickle
 import re
-import stat
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,6 +44,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from videodit.errors import UserError
 from videodit.models.lora import base_parameter_names
+from videodit.user_files import NotRegularFile, open_user_fd, read_user_bytes
 
 SHARDS_DIR = "dcp"
 METADATA_FILE = ".metadata"
@@ -231,7 +231,7 @@ def shard_files(folder: Path) -> dict[str, dict]:
     ``bytes`` and ``sha256``; UserError if the manifest is malformed or lists none."""
     problem = None
     try:
-        manifest = json.loads(_read_small(folder / "manifest.json"))
+        manifest = json.loads(read_user_bytes(folder / "manifest.json", max_bytes=_MANIFEST_MAX))
     except (OSError, ValueError, RecursionError) as exc:
         manifest, problem = None, f"manifest.json cannot be read ({' '.join(str(exc).split())[:120]})"
     files = manifest.get("files") if isinstance(manifest, dict) else None
@@ -307,17 +307,6 @@ def _count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _read_small(file: Path) -> bytes:
-    fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{file.name} is not a regular file")
-        data = handle.read(_MANIFEST_MAX + 1)
-    if len(data) > _MANIFEST_MAX:
-        raise ValueError(f"{file.name} is larger than {_MANIFEST_MAX >> 20} MiB")
-    return data
-
-
 @contextmanager
 def _open_checked(folder: Path, inner: str, files: dict[str, dict]):
     """``folder/dcp/inner`` opened for reading once it has been checked against its manifest
@@ -333,14 +322,14 @@ def _open_checked(folder: Path, inner: str, files: dict[str, dict]):
         return UserError(f"checkpoint {folder} is damaged: {name} {problem}; resume from an earlier checkpoint")
 
     try:
-        fd = os.open(folder / name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        fd = open_user_fd(folder / name)
+    except NotRegularFile:
+        raise damaged("is not a regular file") from None
     except OSError as exc:
         raise damaged(f"cannot be read ({exc.strerror or exc})") from None
     handle = os.fdopen(fd, "rb", buffering=0)
     try:
         info_stat = os.fstat(fd)
-        if not stat.S_ISREG(info_stat.st_mode):
-            raise damaged("is not a regular file")
         if info_stat.st_size != info["bytes"]:
             raise damaged(f"has {info_stat.st_size} bytes, the manifest says {info['bytes']}")
         digest, buffer = hashlib.sha256(), bytearray(min(_CHUNK, max(info["bytes"], 1)))

@@ -25,10 +25,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from videodit.errors import UserError
+from videodit.errors import UserError, os_error_message
 from videodit.models.stdit.opensora_stdit import (config_from_weights, from_opensora, geometry_from_opensora,
                                             is_opensora_config, opensora_config, to_opensora)
 from videodit.models.stdit.model import DiTGeometry, STDiT
+from videodit.user_files import NotRegularFile, check_regular_file, read_user_json
 
 WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -44,7 +45,7 @@ def opensora_layout(path: str | Path) -> str | None:
     if not path.is_dir():
         return None
     config = path / "config.json"
-    if config.is_file():
+    if config.exists():
         return "folder" if is_opensora_config(_read_json(config)) else None
     if (path / "model").is_dir() or (path / "ema.pt").is_file() or (path / "running_states.json").is_file():
         return "checkpoint"
@@ -128,7 +129,7 @@ def save_opensora(model: STDiT, folder: str | Path, dtype: torch.dtype | None = 
 
 def _read_json(file: Path):
     try:
-        return json.loads(file.read_text())
+        return read_user_json(file)
     except (ValueError, UnicodeDecodeError) as exc:
         raise UserError(f"{file} is not valid JSON ({exc}); restore it from the original download") from None
 
@@ -136,7 +137,7 @@ def _read_json(file: Path):
 def _read_folder_weights(folder: Path) -> dict[str, torch.Tensor]:
     """The weights of a folder: one file, or the shards a ``*.index.json`` names."""
     for index_name in INDEX_NAMES:
-        if (folder / index_name).is_file():
+        if (folder / index_name).exists():
             weight_map = _read_json(folder / index_name).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise UserError(f"{folder / index_name} has no weight_map; restore it from the original checkpoint")
@@ -147,7 +148,7 @@ def _read_folder_weights(folder: Path) -> dict[str, torch.Tensor]:
                 state.update(_read_weights(folder / name))
             return state
     for name in SINGLE_NAMES:
-        if (folder / name).is_file():
+        if (folder / name).exists():   # a FIFO in its place is refused when read
             return _read_weights(folder / name)
     raise UserError(f"{folder} holds no weights (model.safetensors, pytorch_model.bin or a *.index.json with "
                     "shards); pass the folder Open-Sora wrote")
@@ -158,9 +159,11 @@ def _read_weights(file: Path) -> dict[str, torch.Tensor]:
     and a DDP ``module.`` prefix dropped."""
     try:
         if file.suffix == ".safetensors":
-            state = load_file(str(file))
+            state = load_file(str(check_regular_file(file)))
         else:
-            state = torch.load(file, map_location="cpu", weights_only=True)
+            state = torch.load(check_regular_file(file), map_location="cpu", weights_only=True)
+    except NotRegularFile as exc:
+        raise UserError(os_error_message(exc)) from None
     except pickle.UnpicklingError:
         raise UserError(f"{file} holds objects other than tensors, which videodit refuses to unpickle; save the "
                         "state dict alone (torch.save(model.state_dict(), ...)) or as safetensors") from None

@@ -20,7 +20,6 @@ its architecture is SDXL's unless ``spatial_vae/config.json`` (a diffusers confi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable
 
@@ -30,6 +29,7 @@ from torch import Tensor, nn
 from videodit.errors import UserError
 from videodit.models.stdit.temporal_vae import TemporalVAE, TemporalVAEConfig, clip_pieces, latent_frames
 from videodit.models.vae_base import FrozenVAE, load_strict
+from videodit.user_files import check_regular_file, read_user_json
 
 # Open-Sora's VideoAutoencoderKL multiplies SD-VAE latents by this, whatever the SD-VAE's config says.
 SD_SCALE = 0.18215
@@ -140,7 +140,7 @@ def _piecewise(x: Tensor, sizes: list[int], args: list[int], fn: Callable[[Tenso
 
 def _read_json(path: Path, what: str) -> dict:
     try:
-        data = json.loads(path.read_text())
+        data = read_user_json(path)
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot read {what} {path} ({exc}); fix or replace it") from None
     if not isinstance(data, dict):
@@ -204,7 +204,7 @@ def _checkpoint(folder: Path, where: str) -> dict[str, Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
     try:
-        return load_file(str(weights))
+        return load_file(str(check_regular_file(weights)))
     except (OSError, SafetensorError) as exc:
         raise UserError(f"cannot read {weights} ({exc}); fix or replace it") from None
 

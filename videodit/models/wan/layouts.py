@@ -26,8 +26,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from videodit.errors import UserError
+from videodit.errors import UserError, os_error_message
 from videodit.models.wan.model import WanDiT, WanGeometry
+from videodit.user_files import NotRegularFile, check_regular_file, read_user_json
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -203,7 +204,9 @@ class LazyTensors(Mapping):
 
 def _open(file: Path):
     try:
-        return safe_open(str(file), framework="pt")
+        return safe_open(str(check_regular_file(file)), framework="pt")
+    except NotRegularFile as exc:
+        raise UserError(os_error_message(exc)) from None
     except (SafetensorError, OSError, ValueError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise UserError(f"{file} cannot be read as safetensors ({first}); restore it from the original "
@@ -212,14 +215,14 @@ def _open(file: Path):
 
 def _read_json(file: Path):
     try:
-        return json.loads(file.read_text())
+        return read_user_json(file)
     except (ValueError, UnicodeDecodeError) as exc:
         raise UserError(f"{file} is not valid JSON ({exc}); restore it from the original download") from None
 
 
 def _model_folder(path: Path) -> Path:
     """The folder holding the DiT: ``path`` itself, or a diffusers pipeline's ``transformer/``."""
-    if not (path / CONFIG_NAME).is_file() and (path / "transformer" / CONFIG_NAME).is_file():
+    if not (path / CONFIG_NAME).exists() and (path / "transformer" / CONFIG_NAME).exists():
         return path / "transformer"
     if (path / "model_index.json").is_file() and (path / "transformer").is_dir():
         return path / "transformer"
@@ -229,27 +232,27 @@ def _model_folder(path: Path) -> Path:
 def is_wan_folder(path: str | Path) -> bool:
     folder = _model_folder(Path(path))
     config = folder / CONFIG_NAME
-    if not config.is_file():
+    if not config.exists():
         return False
-    try:
-        return _layout_of(json.loads(config.read_text())) is not None
-    except (ValueError, UnicodeDecodeError, OSError):
+    try:   # a FIFO or device in its place is refused in one line, not taken for another layout
+        return _layout_of(read_user_json(config)) is not None
+    except (ValueError, UnicodeDecodeError):
         return False
 
 
 def _weight_files(folder: Path) -> list[Path]:
-    if (folder / INDEX_NAME).is_file():
+    if (folder / INDEX_NAME).exists():
         weight_map = _read_json(folder / INDEX_NAME).get("weight_map")
         if not isinstance(weight_map, dict):
             raise UserError(f"{folder / INDEX_NAME} has no weight_map; restore it from the original download")
         files = []
         for name in sorted(set(weight_map.values())):
-            if Path(name).name != name or not (folder / name).is_file():
+            if Path(name).name != name or not (folder / name).exists():
                 raise UserError(f"{folder / INDEX_NAME} names the shard {name!r}, which is not in {folder}; "
                                 "download every shard beside the index")
             files.append(folder / name)
         return files
-    if (folder / WEIGHTS_NAME).is_file():
+    if (folder / WEIGHTS_NAME).exists():
         return [folder / WEIGHTS_NAME]
     pickled = sorted(p.name for p in folder.glob("*.pth")) + sorted(p.name for p in folder.glob("*.bin"))
     hint = f" (videodit does not unpickle {', '.join(pickled)}: convert to safetensors)" if pickled else ""
@@ -261,7 +264,7 @@ def read_wan_folder(path: str | Path) -> tuple[WanGeometry, LazyTensors]:
     path = Path(path)
     folder = _model_folder(path)
     config_file = folder / CONFIG_NAME
-    if not config_file.is_file():
+    if not config_file.exists():
         raise UserError(f"{path} has no {CONFIG_NAME}; pass a Wan 2.1 folder (Wan's original download, a diffusers "
                         "WanTransformer3DModel folder, or a diffusers Wan pipeline)")
     config = _read_json(config_file)

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from videodit.errors import UserError
 from videodit.models.text_base import FrozenTextEncoder, as_caption_list
+from videodit.user_files import read_user_json
 
 try:   # what Wan and diffusers use; the stdlib's re differs only on a few control characters
     import regex as _re
@@ -128,9 +129,8 @@ def umt5_folders(path: str | None) -> tuple[Path, Path]:
 
 
 def _check_model_type(model_dir: Path) -> None:
-    import json
     try:
-        model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+        model_type = read_user_json(model_dir / "config.json").get("model_type")
     except (OSError, ValueError, AttributeError) as exc:
         raise UserError(f"cannot read {model_dir / 'config.json'} ({exc}); fix or replace it") from None
     if model_type != "umt5":

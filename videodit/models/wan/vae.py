@@ -19,7 +19,6 @@ videodit refuses them instead). Space is compressed 8x.
 
 from __future__ import annotations
 
-import json
 import pickle
 import re
 from pathlib import Path
@@ -29,6 +28,7 @@ from torch import Tensor, nn
 
 from videodit.errors import UserError
 from videodit.models.vae_base import FrozenVAE, load_strict
+from videodit.user_files import check_regular_file, read_user_json
 
 # Wan 2.1's latent statistics (``WanVAE.__init__`` in wan/modules/vae.py, diffusers' defaults).
 WAN21_LATENTS_MEAN = (-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
@@ -119,9 +119,9 @@ def read_checkpoint(file: Path) -> dict[str, Tensor]:
     try:
         if file.suffix == ".safetensors":
             from safetensors.torch import load_file
-            state = load_file(str(file))
+            state = load_file(str(check_regular_file(file)))
         else:
-            state = torch.load(file, map_location="cpu", weights_only=True)
+            state = torch.load(check_regular_file(file), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         if "global" in str(exc).lower():   # weights_only met a class or function: it would run code
             raise UserError(f"{file} holds objects other than tensors, which videodit refuses to unpickle; pass "
@@ -252,7 +252,7 @@ def load_wan_checkpoint(file: Path, dtype: torch.dtype = torch.float32, latents_
 
 def _load_diffusers(folder: Path, path: str, subfolder: str | None, where: str, dtype: torch.dtype) -> nn.Module:
     try:
-        config = json.loads((folder / "config.json").read_text())
+        config = read_user_json(folder / "config.json")
     except (OSError, ValueError) as exc:
         raise UserError(f"{where}: cannot read config.json ({exc}); fix or replace it") from None
     name = config.get("_class_name") if isinstance(config, dict) else None
