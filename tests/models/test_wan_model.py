@@ -206,7 +206,8 @@ def test_bad_weights_fail_in_one_line(tmp_path, edit, words):
 
 
 @pytest.mark.parametrize("config_edit, words", [
-    ({"model_type": "i2v"}, ["i2v", "t2v"]),
+    ({"model_type": "i2v"}, ["i2v", "in_channels must be 36, not 16"]),
+    ({"model_type": "flf2v"}, ["'flf2v'", "t2v, i2v, ti2v"]),
     ({"ffn_dim": 256}, ["ffn_dim=256", "hold 128", "config.json"]),
     ({"_class_name": "UNet"}, ["neither"]),
     # Crafted sizes are checked against the weights' headers before anything is built.

@@ -1,4 +1,4 @@
-"""Wan 2.1 DiT weights on disk: Wan's original folder and diffusers' ``WanTransformer3DModel``.
+"""Wan DiT weights on disk (2.1 and 2.2, every model_type): Wan's original folder and diffusers' ``WanTransformer3DModel``.
 
 Layouts read (safetensors only; loading never runs code from the files):
 
@@ -27,13 +27,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from videodit.errors import UserError, os_error_message
-from videodit.models.wan.model import WanDiT, WanGeometry
+from videodit.models.wan.model import I2V_MASK_CHANNELS, MODEL_TYPES, WanDiT, WanGeometry
 from videodit.user_files import NotRegularFile, check_regular_file, read_user_json
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = WEIGHTS_NAME + ".index.json"
 LAYOUTS = ("wan", "diffusers")
+WAN22_LATENT_CHANNELS = 48   # Wan 2.2's 16x VAE (TI2V-5B)
 DIFFUSERS_TEXT_LEN = 512   # diffusers' WanPipeline pads captions to 512 tokens; its config has no text_len
 
 # Wan name (module or parameter path) -> diffusers name; matched on whole dot-separated segments.
@@ -46,6 +47,11 @@ _TOP = {
     "time_projection.1": "condition_embedder.time_proj",
     "head.head": "proj_out",
     "head.modulation": "scale_shift_table",
+    # Wan 2.1 I2V's CLIP projection (Wan's MLPProj: LayerNorm, Linear, GELU, Linear, LayerNorm)
+    "img_emb.proj.0": "condition_embedder.image_embedder.norm1",
+    "img_emb.proj.1": "condition_embedder.image_embedder.ff.net.0.proj",
+    "img_emb.proj.3": "condition_embedder.image_embedder.ff.net.2",
+    "img_emb.proj.4": "condition_embedder.image_embedder.norm2",
 }
 _BLOCK = {   # inside blocks.N
     **{f"{wan}.{p}": f"{dif}.to_{p}" for wan, dif in (("self_attn", "attn1"), ("cross_attn", "attn2"))
@@ -53,6 +59,9 @@ _BLOCK = {   # inside blocks.N
     **{f"{wan}.o": f"{dif}.to_out.0" for wan, dif in (("self_attn", "attn1"), ("cross_attn", "attn2"))},
     **{f"{wan}.{n}": f"{dif}.{n}" for wan, dif in (("self_attn", "attn1"), ("cross_attn", "attn2"))
        for n in ("norm_q", "norm_k")},
+    "cross_attn.k_img": "attn2.add_k_proj",
+    "cross_attn.v_img": "attn2.add_v_proj",
+    "cross_attn.norm_k_img": "attn2.norm_added_k",
     "norm3": "norm2",
     "ffn.0": "ffn.net.0.proj",
     "ffn.2": "ffn.net.2",
@@ -107,14 +116,17 @@ def _require(config: dict, keys, file: Path) -> None:
 
 
 def geometry_from_wan_config(config: dict, shapes: Mapping[str, tuple], file: Path) -> WanGeometry:
-    """Wan's WanModel config; what it leaves out (text_dim, patch_size, ...) from the weights."""
-    if config.get("model_type", "t2v") != "t2v":
-        raise UserError(f"{file} is a Wan {config['model_type']!r} model; videodit trains the text-to-video "
-                        "(t2v) Wan 2.1 DiT only")
+    """Wan's WanModel config; what it leaves out (text_dim, patch_size, ...) from the weights.
+    Wan 2.1's and 2.2's i2v configs read alike: Wan 2.1's has CLIP's ``img_emb`` in its weights."""
+    model_type = config.get("model_type", "t2v")
+    if model_type not in MODEL_TYPES:
+        raise UserError(f"{file} is a Wan {model_type!r} model; videodit trains Wan's "
+                        f"{', '.join(MODEL_TYPES)} DiTs")
     _require(config, ("dim", "ffn_dim", "num_heads", "num_layers"), file)
     text = shapes.get("text_embedding.0.weight")
     patch = shapes.get("patch_embedding.weight")
-    return WanGeometry(
+    image = shapes.get("img_emb.proj.0.weight")
+    return WanGeometry(model_type=model_type, image_dim=image[0] if image else None,
         dim=config["dim"], ffn_dim=config["ffn_dim"], num_heads=config["num_heads"], num_layers=config["num_layers"],
         in_channels=config.get("in_dim", 16), out_channels=config.get("out_dim", 16),
         freq_dim=config.get("freq_dim", 256), text_len=config.get("text_len", 512), eps=config.get("eps", 1e-6),
@@ -125,16 +137,21 @@ def geometry_from_wan_config(config: dict, shapes: Mapping[str, tuple], file: Pa
 
 
 def geometry_from_diffusers_config(config: dict, file: Path) -> WanGeometry:
-    for key in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len"):
-        if config.get(key) is not None:
-            raise UserError(f"{file} sets {key}: an image-conditioned Wan model; videodit trains the "
-                            "text-to-video (t2v) Wan 2.1 DiT only")
+    """diffusers' config has no model_type: an input of 2 x out + 4 channels is i2v (the mask and
+    the given frames' latents), one of Wan 2.2's 48 latent channels is TI2V-5B's ti2v."""
+    if config.get("pos_embed_seq_len") is not None:
+        raise UserError(f"{file} sets pos_embed_seq_len: Wan 2.1's first-last-frame (FLF2V) model, which videodit "
+                        "does not train")
     _require(config, ("num_attention_heads", "attention_head_dim", "ffn_dim", "num_layers"), file)
     heads = config["num_attention_heads"]
+    in_channels = config.get("in_channels", 16)
+    out_channels = config.get("out_channels") or in_channels
+    model_type = ("i2v" if in_channels == 2 * out_channels + I2V_MASK_CHANNELS else
+                  "ti2v" if in_channels == out_channels == WAN22_LATENT_CHANNELS else "t2v")
     return WanGeometry(
+        model_type=model_type, image_dim=config.get("image_dim"),
         dim=heads * config["attention_head_dim"], ffn_dim=config["ffn_dim"], num_heads=heads,
-        num_layers=config["num_layers"], in_channels=config.get("in_channels", 16),
-        out_channels=config.get("out_channels") or config.get("in_channels", 16),
+        num_layers=config["num_layers"], in_channels=in_channels, out_channels=out_channels,
         freq_dim=config.get("freq_dim", 256), text_dim=config.get("text_dim", 4096), text_len=DIFFUSERS_TEXT_LEN,
         patch_size=tuple(config.get("patch_size", (1, 2, 2))),
         qk_norm=True,   # diffusers' WanAttention always has norm_q/norm_k, whatever qk_norm says
@@ -146,7 +163,7 @@ def wan_config(g: WanGeometry) -> dict:
     cross_attn_norm out (its WanModel would warn about them and ignore them); the reader takes them
     from the weights."""
     return {"_class_name": "WanModel", "_diffusers_version": "0.30.0", "dim": g.dim, "eps": g.eps,
-            "ffn_dim": g.ffn_dim, "freq_dim": g.freq_dim, "in_dim": g.in_channels, "model_type": "t2v",
+            "ffn_dim": g.ffn_dim, "freq_dim": g.freq_dim, "in_dim": g.in_channels, "model_type": g.model_type,
             "num_heads": g.num_heads, "num_layers": g.num_layers, "out_dim": g.out_channels, "text_len": g.text_len}
 
 
@@ -165,7 +182,8 @@ def diffusers_config(g: WanGeometry) -> dict:
             "in_channels": g.in_channels, "out_channels": g.out_channels, "text_dim": g.text_dim,
             "freq_dim": g.freq_dim, "ffn_dim": g.ffn_dim, "num_layers": g.num_layers,
             "cross_attn_norm": g.cross_attn_norm, "qk_norm": "rms_norm_across_heads", "eps": g.eps,
-            "image_dim": None, "added_kv_proj_dim": None, "rope_max_seq_len": 1024, "pos_embed_seq_len": None}
+            "image_dim": g.image_dim, "added_kv_proj_dim": g.dim if g.image_dim else None,
+            "rope_max_seq_len": 1024, "pos_embed_seq_len": None}
 
 
 # ---------------------------------------------------------------------------- reading
@@ -256,7 +274,7 @@ def _weight_files(folder: Path) -> list[Path]:
         return [folder / WEIGHTS_NAME]
     pickled = sorted(p.name for p in folder.glob("*.pth")) + sorted(p.name for p in folder.glob("*.bin"))
     hint = f" (videodit does not unpickle {', '.join(pickled)}: convert to safetensors)" if pickled else ""
-    raise UserError(f"{folder} holds no {WEIGHTS_NAME} nor {INDEX_NAME}{hint}; pass a Wan 2.1 DiT folder")
+    raise UserError(f"{folder} holds no {WEIGHTS_NAME} nor {INDEX_NAME}{hint}; pass a Wan DiT folder")
 
 
 def read_wan_folder(path: str | Path) -> tuple[WanGeometry, LazyTensors]:
@@ -265,13 +283,13 @@ def read_wan_folder(path: str | Path) -> tuple[WanGeometry, LazyTensors]:
     folder = _model_folder(path)
     config_file = folder / CONFIG_NAME
     if not config_file.exists():
-        raise UserError(f"{path} has no {CONFIG_NAME}; pass a Wan 2.1 folder (Wan's original download, a diffusers "
+        raise UserError(f"{path} has no {CONFIG_NAME}; pass a Wan 2.1 or 2.2 folder (Wan's original download, a diffusers "
                         "WanTransformer3DModel folder, or a diffusers Wan pipeline)")
     config = _read_json(config_file)
     layout = _layout_of(config)
     if layout is None:
         raise UserError(f"{config_file} is neither Wan's WanModel config nor diffusers' WanTransformer3DModel "
-                        "config; pass a Wan 2.1 folder")
+                        "config; pass a Wan 2.1 or 2.2 folder")
     rename = wan_name if layout == "diffusers" else (lambda name: name)
     sources = {}
     for file in _weight_files(folder):
@@ -280,7 +298,7 @@ def read_wan_folder(path: str | Path) -> tuple[WanGeometry, LazyTensors]:
     tensors = LazyTensors(sources)
     if layout == "wan":
         shapes = {name: tensors.shape(name) for name in
-                  ("text_embedding.0.weight", "patch_embedding.weight") if name in tensors}
+                  ("text_embedding.0.weight", "patch_embedding.weight", "img_emb.proj.0.weight") if name in tensors}
         shapes.update({name: () for name in tensors if name.startswith("blocks.0.")})
         build = lambda: geometry_from_wan_config(config, shapes, config_file)   # noqa: E731
     else:
@@ -324,10 +342,11 @@ def check_tensors(tensors, expected: Mapping[str, torch.Tensor], where: str) -> 
     more = lambda names: f" (and {len(names) - 1} more)" if len(names) > 1 else ""   # noqa: E731
     if missing:
         raise UserError(f"{where} lacks the tensor {missing[0]}{more(missing)}; the weights are incomplete or "
-                        "not a Wan 2.1 text-to-video DiT: download the folder again")
+                        "not the Wan DiT its config.json describes: download the folder again")
     if unexpected:
-        raise UserError(f"{where} has the unexpected tensor {unexpected[0]}{more(unexpected)}; it is not a Wan 2.1 "
-                        "text-to-video DiT of this config (i2v/vace models add tensors): pass a t2v folder")
+        raise UserError(f"{where} has the unexpected tensor {unexpected[0]}{more(unexpected)}; it is not the Wan "
+                        "DiT its config.json describes (vace/animate models add tensors): pass a t2v, i2v or ti2v "
+                        "folder")
     for name, ref in expected.items():
         shape = tensors.shape(name) if isinstance(tensors, LazyTensors) else tuple(tensors[name].shape)
         if tuple(shape) != tuple(ref.shape):

@@ -1,9 +1,19 @@
-"""Wan 2.1 text-to-video DiT (Wan-AI/Wan2.1, ``wan/modules/model.py``), op for op in fp32.
+"""Wan's DiT (Wan-AI/Wan2.1 and Wan2.2, ``wan/modules/model.py``), op for op in fp32.
 
 Latents [B, C, T, H, W] become tokens with a Conv3d patchify, in (frame, row, column) order.
 Every block runs full self-attention over all tokens with 3D RoPE, cross-attention to the text
 tokens, and a GELU-tanh MLP; the diffusion time modulates the self-attention and the MLP of every
 block (a shared projection of the time embedding plus a per-block ``modulation`` table).
+
+The variants (``WanGeometry.model_type``), one network:
+
+- ``t2v``: text to video (Wan 2.1 T2V, each expert of Wan 2.2 T2V-A14B).
+- ``i2v``: the input is the noisy latent, a 4-channel mask of the given frames and their latents,
+  concatenated on channels (36 = 16 + 4 + 16; the caller concatenates). Wan 2.1's I2V-14B also
+  embeds CLIP image features (``image_dim``: ``img_emb``) as 257 extra context tokens, which every
+  cross-attention reads with its own ``k_img``/``v_img``; Wan 2.2's I2V-A14B experts do not.
+- ``ti2v``: Wan 2.2 TI2V-5B, text or image to video in one model: the given image overwrites latent
+  frame 0 and its tokens get time 0, so ``t`` comes per token ([B, L]); any model takes that.
 
 Parameter names are Wan's original ones, so ``state_dict()`` is the Wan checkpoint layout;
 ``layouts.py`` converts to and from diffusers' ``WanTransformer3DModel`` names.
@@ -31,6 +41,11 @@ from videodit.errors import UserError
 from videodit.models.layers import SDPA, AttentionBackend, merge_heads, split_heads
 
 
+MODEL_TYPES = ("t2v", "i2v", "ti2v")
+I2V_MASK_CHANNELS = 4    # the given-frame mask, one channel per frame of a 4-frame latent step
+CLIP_TOKENS = 257        # Wan 2.1 I2V's CLIP ViT-H/14 penultimate-layer features per image
+
+
 @dataclass(frozen=True)
 class WanGeometry:
     dim: int
@@ -46,9 +61,20 @@ class WanGeometry:
     qk_norm: bool = True
     cross_attn_norm: bool = True
     eps: float = 1e-6
+    model_type: str = "t2v"              # t2v | i2v | ti2v (Wan's config.json names)
+    image_dim: int | None = None         # CLIP feature width embedded by img_emb (Wan 2.1 I2V: 1280)
 
     def __post_init__(self):
         object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
+        if self.model_type not in MODEL_TYPES:
+            raise UserError(f"Wan model_type {self.model_type!r} is not one videodit trains; choose one of "
+                            f"{', '.join(MODEL_TYPES)}")
+        if self.model_type == "i2v" and self.in_channels != 2 * self.out_channels + I2V_MASK_CHANNELS:
+            raise UserError(f"a Wan i2v model takes the latent, a {I2V_MASK_CHANNELS}-channel mask and the given "
+                            f"frames' latents: in_channels must be {2 * self.out_channels + I2V_MASK_CHANNELS}, "
+                            f"not {self.in_channels}")
+        if self.image_dim is not None and self.model_type != "i2v":
+            raise UserError(f"image_dim (CLIP features) belongs to Wan's i2v models, not {self.model_type!r}")
         if self.dim % self.num_heads or self.head_dim % 2:
             raise UserError(f"Wan needs dim divisible by num_heads into heads of an even size; dim={self.dim} "
                             f"and num_heads={self.num_heads} do not: fix the model config")
@@ -58,6 +84,11 @@ class WanGeometry:
     @property
     def head_dim(self) -> int:
         return self.dim // self.num_heads
+
+    @property
+    def image_tokens(self) -> int:
+        """Context tokens of the image (CLIP ViT-H/14: 256 patches + the class token), or 0."""
+        return CLIP_TOKENS if self.image_dim else 0
 
     @property
     def rope_split(self) -> tuple[int, int, int]:
@@ -97,12 +128,13 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 def time_sinusoid(timesteps: torch.Tensor, dim: int) -> torch.Tensor:
-    """[B] timesteps in [0, 1000] -> [B, dim] [cos, sin] features, computed in fp64 (as Wan)."""
+    """Timesteps in [0, 1000] of any shape [...] -> [..., dim] [cos, sin] features, computed in fp64
+    (as Wan)."""
     half = dim // 2
     position = timesteps.double()
     freqs = torch.pow(10000.0, -torch.arange(half, dtype=torch.float64, device=position.device) / half)
-    angles = torch.outer(position, freqs)
-    return torch.cat([angles.cos(), angles.sin()], dim=1).float()
+    angles = position[..., None] * freqs
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
 
 
 def fp32_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -155,28 +187,40 @@ class FP32LayerNorm(nn.LayerNorm):
 class WanAttention(nn.Module):
     """Self- (``kind="self"``, with RoPE) or cross-attention (``kind="cross"``, to the text).
 
-    Separate q/k/v projections (Wan's own layout) so tensor parallelism can shard them by heads."""
+    Separate q/k/v projections (Wan's own layout) so tensor parallelism can shard them by heads.
+    With ``image_tokens`` (Wan 2.1 I2V's cross-attention), the first ``image_tokens`` context
+    tokens are the image's: the queries attend to them through ``k_img``/``v_img`` separately
+    and the two results are summed before ``o``."""
 
-    def __init__(self, dim: int, num_heads: int, qk_norm: bool, eps: float, kind: str):
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool, eps: float, kind: str, image_tokens: int = 0):
         super().__init__()
         self.head_dim = dim // num_heads
         self.kind = kind
+        self.image_tokens = image_tokens
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
         self.norm_q = RMSNormAcrossHeads(dim, eps) if qk_norm else nn.Identity()
         self.norm_k = RMSNormAcrossHeads(dim, eps) if qk_norm else nn.Identity()
+        if image_tokens:
+            self.k_img, self.v_img = nn.Linear(dim, dim), nn.Linear(dim, dim)
+            self.norm_k_img = RMSNormAcrossHeads(dim, eps) if qk_norm else nn.Identity()
         self.backend: AttentionBackend = SDPA
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None,
                 rope: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [B, L, D]; context: [B, L_text, D] for cross-attention (None: self-attention)."""
+        """x: [B, L, D]; context: [B, L_image + L_text, D] for cross-attention (None: self-attention)."""
         x = to_weight_dtype(x, self.q)
         source = x if context is None else to_weight_dtype(context, self.k)
+        if self.image_tokens:
+            image, source = source[:, :self.image_tokens], source[:, self.image_tokens:]
         q = split_heads(self.norm_q(self.q(x)), self.head_dim)
         k = split_heads(self.norm_k(self.k(source)), self.head_dim)
         v = split_heads(self.v(source), self.head_dim)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = self.backend(q, k, v, kind=self.kind)
+        if self.image_tokens:
+            k_img = split_heads(self.norm_k_img(self.k_img(image)), self.head_dim)
+            out = out + self.backend(q, k_img, split_heads(self.v_img(image), self.head_dim), kind=self.kind)
         return self.o(merge_heads(out).to(self.o.weight.dtype))
 
 
@@ -198,14 +242,16 @@ class WanBlock(nn.Module):
         self.self_attn = WanAttention(g.dim, g.num_heads, g.qk_norm, g.eps, kind="self")
         # Wan's names: norm3 is the (affine) norm before cross-attention, norm2 the one before the MLP.
         self.norm3 = FP32LayerNorm(g.dim, g.eps, elementwise_affine=True) if g.cross_attn_norm else nn.Identity()
-        self.cross_attn = WanAttention(g.dim, g.num_heads, g.qk_norm, g.eps, kind="cross")
+        self.cross_attn = WanAttention(g.dim, g.num_heads, g.qk_norm, g.eps, kind="cross",
+                                       image_tokens=g.image_tokens)
         self.norm2 = FP32LayerNorm(g.dim, g.eps, elementwise_affine=False)
         self.ffn = nn.Sequential(nn.Linear(g.dim, g.ffn_dim), nn.GELU(approximate="tanh"),
                                  nn.Linear(g.ffn_dim, g.dim))
         self.modulation = nn.Parameter(torch.randn(1, 6, g.dim) / g.dim**0.5)
 
     def forward(self, x: torch.Tensor, e0: torch.Tensor, context: torch.Tensor, rope: torch.Tensor):
-        """x: [B, L, D]; e0: [B, 6, D] or [B, L, 6, D]; context: [B, L_text, D]; rope: [L, head_dim//2, 2]."""
+        """x: [B, L, D]; e0: [B, 6, D] or per token [B, L, 6, D]; context: [B, L_image + L_text, D];
+        rope: [L, head_dim//2, 2]."""
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = split_modulation(self.modulation, e0)
         h = self.norm1(x).float() * (1 + scale_a) + shift_a
         x = (x.float() + self.self_attn(h, rope=rope).float() * gate_a).to(x.dtype)
@@ -230,6 +276,18 @@ class WanHead(nn.Module):
         return fp32_linear(self.head, self.norm(x).float() * (1 + scale) + shift)
 
 
+class ImageEmbedding(nn.Module):
+    """CLIP features [B, 257, image_dim] -> context tokens [B, 257, dim] (Wan's ``MLPProj``)."""
+
+    def __init__(self, image_dim: int, dim: int):
+        super().__init__()
+        self.proj = nn.Sequential(FP32LayerNorm(image_dim), nn.Linear(image_dim, image_dim), nn.GELU(),
+                                  nn.Linear(image_dim, dim), FP32LayerNorm(dim))
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.proj(to_weight_dtype(image, self.proj[1]))
+
+
 class WanDiT(nn.Module):
     def __init__(self, geometry: WanGeometry):
         super().__init__()
@@ -239,6 +297,8 @@ class WanDiT(nn.Module):
                                             nn.Linear(g.dim, g.dim))
         self.time_embedding = nn.Sequential(nn.Linear(g.freq_dim, g.dim), nn.SiLU(), nn.Linear(g.dim, g.dim))
         self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(g.dim, 6 * g.dim))
+        if g.image_dim:
+            self.img_emb = ImageEmbedding(g.image_dim, g.dim)
         self.blocks = nn.ModuleList(WanBlock(g) for _ in range(g.num_layers))
         self.head = WanHead(g)
         self.init_weights()
@@ -254,28 +314,37 @@ class WanDiT(nn.Module):
             nn.init.normal_(layer.weight, std=0.02)
         nn.init.zeros_(self.head.head.weight)
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        """The flow-matching velocity (noise - data) of latents x [B, C, T, H, W] at times t [B] in
-        [0, 1], given text embeddings context [B, L <= text_len, text_dim] (zero-padded captions)."""
-        tokens, e0, e, context, rope = self.embed(x, t, context)
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
+                image: torch.Tensor | None = None) -> torch.Tensor:
+        """The flow-matching velocity (noise - data) of latents x [B, C_in, T, H, W] at times t in
+        [0, 1] ([B], or per token [B, L]), given text embeddings context [B, L <= text_len, text_dim]
+        (zero-padded captions) and, for a model with ``image_dim``, CLIP image features image
+        [B, 257, image_dim]. Returns [B, C_out, T, H, W]."""
+        tokens, e0, e, context, rope = self.embed(x, t, context, image)
         for block in self.blocks:
             tokens = block(tokens, e0, context, rope)
         return self.unpatchify(self.head(tokens, e), x.shape).to(x.dtype)
 
-    def embed(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor):
+    def embed(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, image: torch.Tensor | None = None):
         """Everything before the blocks: tokens [B, L, D] (fp32), the block modulation input e0
-        [B, 6, D] and the head's e [B, D] (both fp32), the embedded text [B, text_len, D] and
-        rope [L, head_dim//2, 2]."""
+        [B, 6, D] and the head's e [B, D] (both fp32; [B, L, 6, D] and [B, L, D] for per-token t),
+        the embedded context [B, image_tokens + text_len, D] and rope [L, head_dim//2, 2]."""
         g = self.geometry
         grid = self.token_grid(x.shape)
+        if t.dim() == 2 and t.shape[1] != math.prod(grid):
+            raise UserError(f"per-token times t have {t.shape[1]} entries for {math.prod(grid)} tokens")
         tokens = self.patch_embedding(to_weight_dtype(x, self.patch_embedding))
         # Contiguous: a transposed view would keep the whole residual stream strided, and every
         # LayerNorm would copy it (benchmarks/wan_step.py measured 4% of a CPU step).
         tokens = tokens.flatten(2).transpose(1, 2).float().contiguous()
         # Wan is fed t*1000 in the caller's fp32 and widens it to fp64 for the sinusoid.
         e = self.time_embedding_fp32(time_sinusoid(t.float() * 1000, g.freq_dim))
-        e0 = fp32_linear(self.time_projection[1], F.silu(e)).unflatten(1, (6, g.dim))
+        e0 = fp32_linear(self.time_projection[1], F.silu(e)).unflatten(-1, (6, g.dim))
         context = self.text_embedding(to_weight_dtype(self.pad_context(context), self.text_embedding))
+        if g.image_dim:
+            if image is None:
+                raise UserError("this Wan i2v model embeds CLIP image features; give the image encoder's output")
+            context = torch.cat([self.img_emb(image).to(context.dtype), context], dim=1)
         return tokens, e0, e, context, rope_table(grid, g, x.device)
 
     def time_embedding_fp32(self, features: torch.Tensor) -> torch.Tensor:
