@@ -253,3 +253,17 @@ def test_wan_layouts_match_one_process(toy_dir, tmp_path, nproc):
                   for a in sorted(set(accum.values()))}
     for name in runs:
         assert_matches(got[name], references[accum[name]])
+
+
+def test_wan_frame_masks_match_one_process(toy_dir, tmp_path):
+    """Wan with given frames (TI2V's image-to-video: the frame's tokens at time 0, per-token
+    modulation): Ulysses SP slices the per-token modulation with its tokens, TP and PP carry it."""
+    video = wan(toy_dir, **{"diffusion.mask_ratios": "{'image_head': 0.5}"})
+    runs = {"sp": video + ["parallel.sp=2"], "tp": video + ["parallel.tp=2"],
+            "pp": pipeline_schedules(video)["pp_1f1b"]}
+    got = run_layouts(toy_dir, tmp_path, 2, runs)
+    reference = single_process(video, tmp_path / "ref")
+    for name in runs:
+        assert_matches(got[name], reference)
+    unmasked = single_process(wan(toy_dir), tmp_path / "unmasked")   # the masks did change the training:
+    assert max((unmasked[0][k] - v).abs().max().item() for k, v in reference[0].items()) > 1e-4

@@ -314,25 +314,26 @@ class WanDiT(nn.Module):
             nn.init.normal_(layer.weight, std=0.02)
         nn.init.zeros_(self.head.head.weight)
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, x_mask: torch.Tensor | None = None,
                 image: torch.Tensor | None = None) -> torch.Tensor:
         """The flow-matching velocity (noise - data) of latents x [B, C_in, T, H, W] at times t in
         [0, 1] ([B], or per token [B, L]), given text embeddings context [B, L <= text_len, text_dim]
-        (zero-padded captions) and, for a model with ``image_dim``, CLIP image features image
-        [B, 257, image_dim]. Returns [B, C_out, T, H, W]."""
-        tokens, e0, e, context, rope = self.embed(x, t, context, image)
+        (zero-padded captions); ``x_mask`` bool [B, T'] over patched frames, False where a frame is
+        given (its tokens get time 0: TI2V's image, or any frame conditioning); for a model with
+        ``image_dim``, CLIP image features image [B, 257, image_dim]. Returns [B, C_out, T, H, W]."""
+        tokens, e0, e, context, rope = self.embed(x, t, context, x_mask, image)
         for block in self.blocks:
             tokens = block(tokens, e0, context, rope)
         return self.unpatchify(self.head(tokens, e), x.shape).to(x.dtype)
 
-    def embed(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, image: torch.Tensor | None = None):
+    def embed(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, x_mask: torch.Tensor | None = None,
+              image: torch.Tensor | None = None):
         """Everything before the blocks: tokens [B, L, D] (fp32), the block modulation input e0
         [B, 6, D] and the head's e [B, D] (both fp32; [B, L, 6, D] and [B, L, D] for per-token t),
         the embedded context [B, image_tokens + text_len, D] and rope [L, head_dim//2, 2]."""
         g = self.geometry
         grid = self.token_grid(x.shape)
-        if t.dim() == 2 and t.shape[1] != math.prod(grid):
-            raise UserError(f"per-token times t have {t.shape[1]} entries for {math.prod(grid)} tokens")
+        t = token_times(t, x_mask, grid)
         tokens = self.patch_embedding(to_weight_dtype(x, self.patch_embedding))
         # Contiguous: a transposed view would keep the whole residual stream strided, and every
         # LayerNorm would copy it (benchmarks/wan_step.py measured 4% of a CPU step).
@@ -364,6 +365,20 @@ class WanDiT(nn.Module):
 
     def unpatchify(self, tokens: torch.Tensor, latent_shape) -> torch.Tensor:
         return unpatchify(tokens, latent_shape, self.geometry)
+
+
+def token_times(t: torch.Tensor, x_mask: torch.Tensor | None, grid: tuple[int, int, int]) -> torch.Tensor:
+    """t [B] or per token [B, L]; with ``x_mask`` [B, frames of the grid], per token, 0 on the tokens
+    of given frames (as Wan 2.2's TI2V builds its ``temp_ts``)."""
+    tokens = math.prod(grid)
+    if t.dim() == 2 and t.shape[1] != tokens:
+        raise UserError(f"per-token times t have {t.shape[1]} entries for {tokens} tokens")
+    if x_mask is None:
+        return t
+    if x_mask.shape[-1] != grid[0]:
+        raise UserError(f"x_mask covers {x_mask.shape[-1]} frames; the latents have {grid[0]} patched frames")
+    per_token = x_mask.to(t.dtype)[:, :, None].expand(-1, -1, tokens // grid[0]).flatten(1)
+    return (t[:, None] if t.dim() == 1 else t) * per_token
 
 
 def token_grid(latent_shape, geometry: WanGeometry) -> tuple[int, int, int]:

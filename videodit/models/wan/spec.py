@@ -114,10 +114,14 @@ class WanSpec(ModelSpec):
     # ------------------------------------------------------------------ objective
 
     def model_inputs(self, x_t, t, cond: Conditions) -> tuple:
-        """(x_t, t, context): a dropped caption is an all-zero context, which is what Wan's model
-        sees for an empty caption after its zero padding (every pad is text_embedding(0))."""
+        """(x_t, t, context[, x_mask]): a dropped caption is an all-zero context, which is what Wan's
+        model sees for an empty caption after its zero padding (every pad is text_embedding(0)).
+        With frame conditioning, x_mask gives the given frames' tokens time 0 (TI2V's way)."""
         y = cond.y if cond.drop is None else torch.where(cond.drop[:, None, None], torch.zeros_like(cond.y), cond.y)
-        return (x_t, t, y)
+        return (x_t, t, y) if cond.x_mask is None else (x_t, t, y, cond.x_mask)
+
+    def frame_mask_index(self) -> int:
+        return 3
 
     def unconditional(self, cond: Conditions, negative=None) -> Conditions:
         """Wan samples its unconditional branch on a negative prompt (its default one unless set);
