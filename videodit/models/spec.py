@@ -40,8 +40,9 @@ from torch import nn
 class Conditions:
     """Everything but the noisy latents and the time that a step hands the model: the caption
     tokens ``y`` [B, L, C] and mask [B, L], ``drop`` [B] bool (the caption is dropped: CFG's
-    unconditional branch in training), fps [B], the clip's pixel size, and the frame mask
-    ``x_mask`` [B, T'] (True: generated). A family uses what it needs."""
+    unconditional branch in training), fps [B], the clip's pixel size, the frame mask
+    ``x_mask`` [B, T'] (True: generated) and image features ``image`` [B, tokens, C] (Wan 2.1
+    I2V's CLIP). A family uses what it needs."""
     y: torch.Tensor
     y_mask: torch.Tensor
     drop: torch.Tensor | None = None
@@ -49,6 +50,7 @@ class Conditions:
     height: torch.Tensor | float | None = None
     width: torch.Tensor | float | None = None
     x_mask: torch.Tensor | None = None
+    image: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

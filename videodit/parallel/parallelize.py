@@ -84,7 +84,7 @@ class ParallelModel:
         with self.autocast():
             out = self.module(*inputs)
         at = self.frame_mask_index
-        return self.loss_fn(out, inputs[0], inputs[1], target, *(inputs[at:] if at is not None else ()))
+        return self.loss_fn(out, inputs[0], inputs[1], target, *(inputs[at:at + 1] if at is not None else ()))
 
     def forward_backward(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, *, scale: float,
                          sync: bool) -> float:

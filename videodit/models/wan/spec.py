@@ -116,8 +116,11 @@ class WanSpec(ModelSpec):
     def model_inputs(self, x_t, t, cond: Conditions) -> tuple:
         """(x_t, t, context[, x_mask]): a dropped caption is an all-zero context, which is what Wan's
         model sees for an empty caption after its zero padding (every pad is text_embedding(0)).
-        With frame conditioning, x_mask gives the given frames' tokens time 0 (TI2V's way)."""
+        With frame conditioning, x_mask gives the given frames' tokens time 0 (TI2V's way); a model
+        with CLIP features (Wan 2.1 I2V) takes them last."""
         y = cond.y if cond.drop is None else torch.where(cond.drop[:, None, None], torch.zeros_like(cond.y), cond.y)
+        if cond.image is not None:
+            return (x_t, t, y, cond.x_mask, cond.image)
         return (x_t, t, y) if cond.x_mask is None else (x_t, t, y, cond.x_mask)
 
     def frame_mask_index(self) -> int:
