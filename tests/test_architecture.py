@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "videodit"
 
 # Bottom to top; a unit imports only from its own layer's named peers or from layers below.
 LAYERS = [
-    {"errors"},
+    {"errors", "user_files"},
     {"config"},
     {"models", "diffusion", "data"},
     {"toy", "components"},
@@ -21,7 +21,7 @@ LAYERS = [
     {"__main__"},
 ]
 # Imports inside one layer that the design allows (importer unit -> imported unit).
-PEERS = {("components", "toy"), ("planner", "parallel.dims"), ("train", "sample")}
+PEERS = {("components", "toy"), ("planner", "parallel.dims"), ("train", "sample"), ("user_files", "errors")}
 
 
 def modules() -> dict[str, Path]:

@@ -10,11 +10,18 @@ class UserError(Exception):
     """
 
 
+class NotRegularFile(OSError):
+    """A path names a FIFO, socket, device or folder where a file's contents are needed
+    (raised by ``videodit.user_files``)."""
+
+
+class FileTooLarge(OSError):
+    """A file is larger than what may be read into memory for its purpose."""
+
+
 def os_error_message(exc: OSError) -> str:
     """One line for a failed file operation: what happened, to which file, and what to do."""
     import errno
-
-    from videodit.user_files import FileTooLarge, NotRegularFile
 
     if isinstance(exc, (NotRegularFile, FileTooLarge)):   # their wording carries the fix
         return f"{exc.filename} is {exc.strerror}" if isinstance(exc, NotRegularFile) else \

@@ -18,16 +18,13 @@ import os
 import stat
 from pathlib import Path
 
+from videodit.errors import FileTooLarge, NotRegularFile
+
+__all__ = ["FileTooLarge", "NotRegularFile", "check_regular_file", "open_user_fd", "open_user_file",
+           "read_user_bytes", "read_user_json", "read_user_text"]
+
 _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder"))
-
-
-class NotRegularFile(OSError):
-    """The path names a FIFO, socket, device or folder where a file's contents are needed."""
-
-
-class FileTooLarge(OSError):
-    """The file is larger than what may be read into memory for its purpose."""
 
 
 def _kind(mode: int) -> str:
