@@ -42,12 +42,13 @@ class WanSpec(ModelSpec):
     geometry_type = WanGeometry
     sequence_parallel = "full_attention"
     released_encoders = (16, 4096, 512)   # Wan 2.1's VAE, umT5-XXL at 512 tokens
-    vae_kinds = ("wan2.1",)
+    vae_kinds = ("wan2.1", "wan2.2")
     text_kinds = ("umt5",)
 
     def build_vae(self, kind, path, subfolder, *, scaling_factor, micro_batch, temporal_micro_batch, dtype):
         from videodit.models.wan.vae import build_wan_vae   # diffusers, only when asked
-        return build_wan_vae(path, subfolder, scaling_factor=scaling_factor, micro_batch=micro_batch, dtype=dtype)
+        return build_wan_vae(path, subfolder, scaling_factor=scaling_factor, micro_batch=micro_batch, dtype=dtype,
+                             kind=kind)
 
     def build_text_encoder(self, kind, path, max_length, dtype):
         """umT5-XXL, 512 tokens unless ``text.max_length`` says otherwise."""
