@@ -51,6 +51,9 @@ EULER_CASES = [(10, 5.0, 5.0), (10, 12.0, 5.0), (40, 12.0, 5.0)]
 # Grids only. 100 x 16 repeats int timesteps (999, 999, 998, 998, ...): Wan's scheduler finds its
 # first step by timestep value, starts at index 1 and fails its order assertion on that grid.
 EXTRA_GRIDS = [(50, 3.0), (40, 16.0), (100, 16.0)]
+# Wan 2.2's two experts (text2video.py / image2video.py; the scheduler file is the same as 2.1's):
+# (steps, shift, boundary, (low guidance, high guidance)); T2V-A14B's and I2V-A14B's recipes.
+EXPERT_CASES = [(10, 12.0, 0.875, (3.0, 4.0)), (40, 12.0, 0.875, (3.0, 4.0)), (10, 5.0, 0.900, (3.5, 3.5))]
 
 
 def case_name(steps: int, shift: float, guidance: float | None = None) -> str:
@@ -102,6 +105,25 @@ def run_loop(scheduler, params: dict, noise: torch.Tensor, guidance: float) -> t
     return latents
 
 
+def run_expert_loop(scheduler, params: dict, noise: torch.Tensor, boundary: float, guidance) -> torch.Tensor:
+    """Wan 2.2's text2video.py loop: the high-noise expert (the fake model's ``*_high`` weights)
+    while ``t >= boundary * 1000``, each expert with its own guidance (low, high)."""
+    latents, boundary = noise.clone(), boundary * 1000
+    for t in scheduler.timesteps:
+        timestep = torch.stack([t])
+        high = t.item() >= boundary
+        suffix = "_high" if high else ""
+        cond = velocity(params, "cond" + suffix, latents, timestep)
+        uncond = velocity(params, "uncond" + suffix, latents, timestep)
+        pred = uncond + (guidance[1] if high else guidance[0]) * (cond - uncond)
+        latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+    return latents
+
+
+def expert_name(steps: int, shift: float, boundary: float, guidance) -> str:
+    return f"{steps}x{shift:g}.b{boundary:g}.g{guidance[0]:g}-{guidance[1]:g}"
+
+
 def diffusers_euler_on_wan_grid(sigmas: torch.Tensor, timesteps: torch.Tensor):
     from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -132,6 +154,12 @@ def write(wan, sha: str, out: Path) -> None:
         scheduler = diffusers_euler_on_wan_grid(tensors[f"grid.{grid}.sigmas"], tensors[f"grid.{grid}.timesteps"])
         tensors[f"euler.{case_name(steps, shift, guidance)}.x0"] = run_loop(scheduler, tensors, tensors["noise"],
                                                                           guidance)
+    # Drawn after everything above, so the earlier fixtures stay as they were.
+    tensors.update({k.replace("_cond", "_cond_high").replace("_uncond", "_uncond_high"): v
+                    for k, v in fake_model(g).items()})
+    for steps, shift, boundary, guidance in EXPERT_CASES:
+        x0 = run_expert_loop(wan_grid(wan, steps, shift), tensors, tensors["noise"], boundary, guidance)
+        tensors[f"experts.{expert_name(steps, shift, boundary, guidance)}.x0"] = x0
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, out / "fixtures.safetensors")
     meta = {
@@ -147,6 +175,11 @@ def write(wan, sha: str, out: Path) -> None:
         "euler": [{"steps": s, "shift": k, "guidance": w, "key": f"euler.{case_name(s, k, w)}.x0",
                    "reference": "diffusers FlowMatchEulerDiscreteScheduler(shift=1) with Wan's sigmas and timesteps"}
                   for s, k, w in EULER_CASES],
+        "experts": [{"steps": s, "shift": k, "boundary": b, "guidance": list(w),
+                     "key": f"experts.{expert_name(s, k, b, w)}.x0",
+                     "reference": "Wan2.2 text2video.py's loop (commit 42bf4cf): the *_high fake model while "
+                                  "t >= boundary * 1000, guidance (low, high)"}
+                    for s, k, b, w in EXPERT_CASES],
     }
     (out / "cases.json").write_text(json.dumps(meta, indent=1) + "\n")
 

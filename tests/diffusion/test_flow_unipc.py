@@ -162,3 +162,21 @@ def test_bad_inputs_are_user_errors(call, steps, shift):
 def test_a_shift_too_large_for_float32_is_a_user_error():
     with pytest.raises(UserError, match="smaller shift"):
         flow_unipc.sample(cond, TENSORS["noise"], 10, 1e9)
+
+
+@pytest.mark.parametrize("case", META["experts"], ids=lambda c: c["key"])
+def test_two_experts_switch_at_the_boundary_with_their_own_guidance(case):
+    """Wan 2.2 A14B's loop: the high-noise expert while Wan's integer timestep >= boundary x 1000
+    (videodit's rule, ``high_noise``), each expert guided by its own scale."""
+    from videodit.models.wan.experts import expert_guidance, high_noise
+
+    def routed(which):
+        def v(x, t):
+            suffix = "_high" if bool(high_noise(t[:1], case["boundary"])) else ""
+            return velocity(which + suffix, x, t * 1000)
+        return v
+
+    want = TENSORS[case["key"]]
+    got = flow_unipc.sample(routed("cond"), TENSORS["noise"], case["steps"], case["shift"],
+                            expert_guidance(case["boundary"], tuple(case["guidance"])), routed("uncond"))
+    assert relative(got, want) < 1e-5

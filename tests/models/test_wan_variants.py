@@ -82,3 +82,22 @@ def test_per_token_time_equal_everywhere_is_the_time_per_sample(cases):
     tokens = case["x"].shape[2] * (case["x"].shape[3] // 2) * (case["x"].shape[4] // 2)
     per_token = dict(case, t=case["t"][:, None].expand(-1, tokens))
     assert relative(run(model, per_token), run(model, case)) < 1e-6   # summation order differs, nothing else
+
+
+def test_two_experts_route_each_sample_by_its_time(cases):
+    """WanExperts: a batch across the boundary gives each sample its own expert's output."""
+    from videodit.models.wan.experts import WanExperts
+
+    high = load_wan(FIXTURE / "i2v22" / "wan").eval()
+    low = load_wan(FIXTURE / "i2v22" / "diffusers").eval()
+    with torch.no_grad():
+        for p in low.parameters():   # another expert of the same geometry
+            p.mul_(0.9)
+    experts = WanExperts(high, low, boundary=0.875)
+    case = cases["i2v22.batch2"]   # t = (0.3, 0.95): one sample each side
+    with torch.no_grad():
+        mixed = experts(case["x"], case["t"], case["context"])
+        alone = [(high if t >= 0.875 else low)(case["x"][i:i + 1], case["t"][i:i + 1], case["context"][i:i + 1])
+                 for i, t in enumerate(case["t"].tolist())]
+    assert torch.equal(mixed, torch.cat(alone))
+    assert not torch.allclose(alone[0], high(case["x"][:1], case["t"][:1], case["context"][:1]))

@@ -78,14 +78,20 @@ def timesteps(steps: int, shift: float) -> torch.Tensor:
     return grid(steps, shift)[1]
 
 
-def guided(velocity: VelocityFn, guidance: float, uncond_velocity: VelocityFn | None) -> VelocityFn:
-    """Classifier-free guidance as Wan combines it: ``v_u + guidance * (v_c - v_u)``."""
-    if uncond_velocity is None or guidance == 1.0:
+def guided(velocity: VelocityFn, guidance: float | Callable[[torch.Tensor], float],
+           uncond_velocity: VelocityFn | None) -> VelocityFn:
+    """Classifier-free guidance as Wan combines it: ``v_u + guidance * (v_c - v_u)``; ``guidance``
+    may be a function of t (Wan 2.2's two experts, each with its own scale)."""
+    scale_at = guidance if callable(guidance) else (lambda t: guidance)
+    if uncond_velocity is None or (not callable(guidance) and guidance == 1.0):
         return velocity
 
     def v(x, t):
+        scale = scale_at(t)
+        if scale == 1.0:
+            return velocity(x, t)
         v_uncond = uncond_velocity(x, t)
-        return v_uncond + guidance * (velocity(x, t) - v_uncond)
+        return v_uncond + scale * (velocity(x, t) - v_uncond)
 
     return v
 
@@ -132,7 +138,8 @@ def _correct(x_prev, s0: float, t: float, d0, d_t, d1=None, s1: float | None = N
     return out + (1 - ratio) * ((rho_1 / r) * (d1 - d0) + rho_t * (d_t - d0))
 
 
-def sample(velocity: VelocityFn, noise: torch.Tensor, steps: int, shift: float, guidance: float = 1.0,
+def sample(velocity: VelocityFn, noise: torch.Tensor, steps: int, shift: float,
+           guidance: float | Callable[[torch.Tensor], float] = 1.0,
            uncond_velocity: VelocityFn | None = None, *, given: Given | None = None) -> torch.Tensor:
     """x0 from ``noise`` by Wan's UniPC, one (guided) velocity evaluation per step.
 
