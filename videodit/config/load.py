@@ -308,6 +308,9 @@ def _check_consistency(cfg: Config) -> None:
     if sample_height % 2 or sample_width % 2:   # the run ends by writing samples as mp4 (H.264)
         raise UserError(f"samples are written as mp4, which needs an even height and width; got "
                         f"{sample_height}x{sample_width} (sample.height/width, else data.height/width): make them even")
+    time_range = cfg.diffusion.timestep_range
+    if time_range is not None and not time_range[0] < time_range[1]:
+        raise UserError(f"diffusion.timestep_range={time_range} is empty: give [lo, hi] with lo < hi, e.g. [0.875, 1.0]")
     if cfg.data.bucket_config is not None and cfg.data.bucket_config_file is not None:
         raise UserError("set data.bucket_config or data.bucket_config_file, not both")
     if cfg.vae.kind == "diffusers" and not cfg.vae.path:

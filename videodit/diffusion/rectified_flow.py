@@ -41,14 +41,33 @@ class RectifiedFlow:
         """Open-Sora's timestep transform: ratio > 1 moves t towards 1 (noise)."""
         return ratio * t / (1 + (ratio - 1) * t)
 
+    @staticmethod
+    def unshift(t: torch.Tensor, ratio: float) -> torch.Tensor:
+        """The inverse of :meth:`shift`: the unshifted time that shifts to ``t``."""
+        return t / (ratio - (ratio - 1) * t)
+
     def sample_timesteps(self, batch: int, ratio: float, generator: torch.Generator | None = None,
                          device=None) -> torch.Tensor:
-        if self.cfg.timestep_sampling == "logit_normal":
-            normal = torch.randn(batch, generator=generator)
-            t = torch.sigmoid(normal * self.cfg.logit_std + self.cfg.logit_mean)
+        """``batch`` shifted timesteps; with ``diffusion.timestep_range`` [lo, hi], drawn from the
+        same distribution restricted to lo <= t <= hi (by its inverse CDF: no rejection, so one
+        draw per sample), as one expert of a two-expert model trains (Wan 2.2 A14B)."""
+        if self.cfg.timestep_range is None:
+            if self.cfg.timestep_sampling == "logit_normal":
+                normal = torch.randn(batch, generator=generator)
+                t = torch.sigmoid(normal * self.cfg.logit_std + self.cfg.logit_mean)
+            else:
+                t = torch.rand(batch, generator=generator)
+            return self.shift(t, ratio).to(device)
+        lo, hi = (self.unshift(torch.tensor(float(edge), dtype=torch.float64), ratio)
+                  for edge in self.cfg.timestep_range)
+        u = torch.rand(batch, generator=generator, dtype=torch.float64)
+        if self.cfg.timestep_sampling == "logit_normal":   # a normal truncated to the range's logits
+            mean, std = self.cfg.logit_mean, max(self.cfg.logit_std, 1e-12)
+            a, b = (torch.special.ndtr((torch.logit(edge) - mean) / std) for edge in (lo, hi))
+            t = torch.sigmoid(torch.special.ndtri(a + (b - a) * u) * std + mean)
         else:
-            t = torch.rand(batch, generator=generator)
-        return self.shift(t, ratio).to(device)
+            t = lo + (hi - lo) * u
+        return self.shift(t.clamp(lo, hi), ratio).float().to(device)
 
     @staticmethod
     def interpolate(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
