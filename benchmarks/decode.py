@@ -50,7 +50,7 @@ import torch
 from videodit.config import load_config
 from videodit.data.dataset import sample_frame_indices
 from videodit.data.loader import build_training_data
-from videodit.data.video import write_video
+from videodit.data.video_write import write_video
 from videodit.toy.make import make_toy_dataset, render_clip
 
 SEED = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import numpy as np
 import torch
 
 from videodit.data.prompts import prepare_prompts
-from videodit.data.video import write_video
+from videodit.data.video_write import write_video
 from videodit.diffusion import flow_unipc
 from videodit.diffusion.rectified_flow import RectifiedFlow
 from videodit.errors import UserError
@@ -107,17 +108,61 @@ def given_latents(model, vae, reference: torch.Tensor, latent_frames: int, devic
     return GivenFrames(latents, x_mask, latent_given[:, None, :, None, None])
 
 
-def read_reference(path: str, frames: int | None, height: int, width: int) -> torch.Tensor:
+def read_reference(path: str, frames: int | None, height: int, width: int,
+                   max_pixels: int | None = None) -> torch.Tensor:
     """The first ``frames`` frames of an image or video file (all of an image), resized and
-    centre-cropped to ``height`` x ``width``: [3, T_ref, H, W] in [-1, 1]."""
+    centre-cropped to ``height`` x ``width``: [3, T_ref, H, W] in [-1, 1].
+
+    A file whose frames (by its header) have more than ``max_pixels`` pixels (default: the
+    default of ``data.max_pixels``) is refused before it is decoded; larger frames than needed
+    are shrunk as they are read (a JPEG decoded at 1/2..1/8 scale, video frames scaled while
+    their colours are converted), never held at full size in RGB."""
     from videodit.data.dataset import clip_tensor
-    from videodit.data.video import VideoReadError, read_video
+    from videodit.data.video import MAX_PIXELS, FrameTooLarge, VideoReadError, read_video
+
+    limit = MAX_PIXELS if max_pixels is None else max_pixels
+    try:
+        clip, _ = read_video(path, indices=(lambda total: list(range(min(frames or total, total)))),
+                             max_pixels=limit, fit=(height, width))
+    except FrameTooLarge as exc:
+        size = f"is {exc.width}x{exc.height} (width x height), {exc.pixels} pixels" if exc.width else \
+            f"has {exc.pixels} pixels"
+        raise UserError(f"the reference {path!r} {size}, more than the {limit} a reference may have "
+                        "(data.max_pixels); shrink it first, e.g. ffmpeg -i IN -vf scale=1280:-2 OUT") from None
+    except VideoReadError as exc:
+        fix = "" if "; give " in exc.reason else "; give an image or a video file"   # the reason's own fix
+        raise UserError(f"cannot read the reference {path!r}: {exc.reason}{fix}") from None
+    return clip_tensor(clip, height, width)
+
+
+def trained_with_frame_masks(cfg, export_info: dict | None = None) -> bool:
+    """Whether the model learnt to take given frames (``x_mask``): its run set
+    ``diffusion.mask_ratios`` (Open-Sora 1.2's frame masks), or its weights, or the weights its
+    run started from (``model.init_from``, a LoRA's base), are Open-Sora 1.2's STDiT3 imported
+    with ``videodit ckpt import`` (``export_info``: the folder's export.json) of a release its
+    family says was trained with them (``ModelSpec.released_takes_given_frames``)."""
+    from videodit.models.families import families
+
+    if cfg.diffusion.mask_ratios is not None:
+        return True
+    formats = [(export_info or {}).get("format")]
+    if cfg.model.init_from:
+        formats.append(_export_format(Path(cfg.model.init_from)))
+    return any(spec.released_format in formats and spec.released_takes_given_frames
+               for spec in families().values())
+
+
+def _export_format(folder: Path) -> str | None:
+    """The ``format`` in a model folder's export.json (what ``ckpt import`` read), or None."""
+    import json
+
+    from videodit.user_files import read_user_bytes
 
     try:
-        clip, _ = read_video(path, indices=(lambda total: list(range(min(frames or total, total)))))
-    except VideoReadError as exc:
-        raise UserError(f"cannot read the reference {path!r}: {exc}; give an image or a video file") from None
-    return clip_tensor(clip, height, width)
+        info = json.loads(read_user_bytes(folder / "export.json", max_bytes=2**20))
+    except (OSError, ValueError):
+        return None
+    return info.get("format") if isinstance(info, dict) else None
 
 
 def slug(prompt: str, max_len: int = 48) -> str:
@@ -161,6 +206,7 @@ class Pipeline:
         self.flow = RectifiedFlow(self.cfg.diffusion)
         self.checkpoint = ckpt.path
         self.weights = stem
+        self.frame_masks = trained_with_frame_masks(self.cfg, getattr(ckpt, "export_info", None))
 
     def resolve(self, num_frames: int | None = None, height: int | None = None,
                 width: int | None = None) -> dict[str, int]:
@@ -187,7 +233,13 @@ class Pipeline:
                             "must be 1 or more and guidance a finite number >= 0")
         prompts = prepare_prompts(prompts, sample.prompt_style, sample.aesthetic_score)
         ref = None if reference is None else read_reference(
-            reference, reference_frames or max(1, size["num_frames"] // 2), size["height"], size["width"])
+            reference, reference_frames or max(1, size["num_frames"] // 2), size["height"], size["width"],
+            self.cfg.data.max_pixels)
+        if reference is not None and not self.frame_masks:
+            print(f"warning: {self.checkpoint} was not trained with frame masks (its diffusion.mask_ratios is "
+                  "unset), so it was never taught to continue given frames; the reference is kept as given but "
+                  "what follows may not match it (train with diffusion.mask_ratios, e.g. {image_head: 0.1})",
+                  file=sys.stderr, flush=True)
         return generate(self.model, self.vae, self.text, self.flow, prompts, **size, steps=steps,
                         guidance=guidance, fps=fps or sample.fps, seed=seed, device=self.device, reference=ref,
                         sampler=sample.sampler, negative_prompt=sample.negative_prompt)

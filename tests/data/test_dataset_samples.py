@@ -11,7 +11,8 @@ from videodit.config import load_config
 from videodit.data.buckets.plan import BucketPlan
 from videodit.data.dataset import VideoDataset, collate, resize_center_crop, sample_frame_indices
 from videodit.data.metadata import read_metadata
-from videodit.data.video import read_video, write_video
+from videodit.data.video import read_video
+from videodit.data.video_write import write_video
 
 SEED, NUM_FRAMES, INTERVAL, HEIGHT, WIDTH = 3, 5, 2, 32, 48
 

@@ -13,7 +13,8 @@ from tqdm import tqdm
 from videodit.data import scan as scan_module
 from videodit.data.metadata import read_metadata
 from videodit.data.scan import FILTER_REASONS, SCAN_COLUMNS, error_report_path, filter_metadata, scan
-from videodit.data.video import IMAGE_FPS, write_video
+from videodit.data.video import IMAGE_FPS
+from videodit.data.video_write import write_video
 from videodit.errors import UserError
 
 # name -> (num_frames, height, width, fps) of the good files made by `media`.

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from clipgen import damage_outside, encode_h264, moving_frames, size_change_mp4
-from videodit.data import video
-from videodit.data.video import (IMAGE_FPS, VideoReadError, probe_video, read_video,
-                                 write_video)
+from videodit.data import video, video_write
+from videodit.data.video import IMAGE_FPS, VideoReadError, probe_video, read_video
+from videodit.data.video_write import write_video
 from videodit.errors import UserError
 
 COLOURS = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (255, 255, 255)]
@@ -124,7 +124,7 @@ def test_crash_mid_write_keeps_old_file_and_leaves_no_temp(tmp_path, monkeypatch
         tmp.write_bytes(b"half a video")
         raise RuntimeError("simulated crash")
 
-    monkeypatch.setattr(video, "_write_mp4", crash)
+    monkeypatch.setattr(video_write, "_write_mp4", crash)
     with pytest.raises(RuntimeError):
         write_video(path, np.zeros_like(_blocks_clip()), fps=8)
     assert path.read_bytes() == original

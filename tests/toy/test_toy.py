@@ -8,7 +8,8 @@ from videodit.toy import make as toy
 from videodit.toy.make import (COLOURS, CSV_COLUMNS, DIRECTIONS, HELDOUT, SHAPES,
                                all_combinations, caption, make_toy_dataset, parse_caption,
                                render_clip, seen_combinations)
-from videodit.data.video import IMAGE_FPS, read_video, write_video
+from videodit.data.video import IMAGE_FPS, read_video
+from videodit.data.video_write import write_video
 from videodit.errors import UserError
 from videodit.toy.metrics import (dominant_colour, measure_clip, motion_direction,
                                        score)

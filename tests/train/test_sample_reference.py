@@ -6,7 +6,8 @@ import pytest
 
 from conftest import tiny_overrides
 from videodit.cli import main
-from videodit.data.video import read_video, write_video
+from videodit.data.video import read_video
+from videodit.data.video_write import write_video
 from videodit.sample import Pipeline
 
 
@@ -50,3 +51,24 @@ def test_a_clip_continues_from_the_cli_and_a_bad_reference_is_one_line(masked_ru
     assert main(["sample", "--ckpt", str(masked_run), "--prompt", "x", "--ref", str(tmp_path / "ref.mp4"),
                  "--ref-frames", "4", "--out", str(out)]) == 2
     assert "leave some to generate" in capsys.readouterr().err
+
+
+def test_a_reference_on_a_model_never_trained_with_frame_masks_warns_in_one_line(masked_run, toy_dir, tmp_path,
+                                                                                  capsys):
+    from videodit.config import load_config
+    from videodit.sample import trained_with_frame_masks
+
+    plain = tmp_path / "plain"
+    assert main(["train", "--out", str(plain), *tiny_overrides(toy_dir, **{
+        "model.patch_size": "[1,2,2]", "train.max_steps": 1, "checkpoint.every_steps": 1})]) == 0
+    write_video(tmp_path / "ref.png", np.zeros((1, 16, 16, 3), np.uint8), 8)
+    for run, warnings in ((masked_run, 0), (plain, 1)):
+        capsys.readouterr()
+        assert main(["sample", "--ckpt", str(run), "--prompt", "x", "--steps", "1", "--ref", str(tmp_path / "ref.png"),
+                     "--out", str(tmp_path / "out.mp4")]) == 0
+        lines = [line for line in capsys.readouterr().err.splitlines() if "frame masks" in line]
+        assert len(lines) == warnings
+    assert lines[0].startswith("warning: ") and "diffusion.mask_ratios" in lines[0]
+    # Open-Sora 1.2's weights, imported, were trained with frame masks: no warning for them.
+    cfg = load_config("tiny", [])
+    assert not trained_with_frame_masks(cfg) and trained_with_frame_masks(cfg, {"format": "opensora-stdit3"})

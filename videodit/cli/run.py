@@ -48,7 +48,7 @@ def cmd_train(ns) -> int:
 
 def cmd_sample(ns) -> int:
     from videodit.sample import Pipeline, write_clips
-    from videodit.data.video import write_video
+    from videodit.data.video_write import write_video
 
     prompts = _read_prompts(ns)
     out = Path(ns.out)

@@ -111,6 +111,10 @@ class DiffusionConfig:
     loss_space: str = opt("velocity", "where the MSE is taken: velocity (Open-Sora) or data (the x0 error, "
                           "i.e. the velocity error weighted by t^2, so high-noise steps that decide layout "
                           "and motion are not drowned by low-noise ones)", choices=("velocity", "data"))
+    timestep_range: Optional[list[float]] = opt(None, "[lo, hi]: train only on timesteps lo <= t <= hi (after the shift), "
+                                               "drawn from the same distribution restricted to the range, as one "
+                                               "expert of Wan 2.2 A14B trains (high: [0.875, 1], low: [0, 0.875])",
+                                               length=2, min=0.0, max=1.0)
     caption_dropout: float = opt(0.1, "probability of training on the null caption (enables CFG)",
                                  min=0.0, max=1.0)
     mask_ratios: Optional[dict] = opt(None, "image/video conditioning as Open-Sora 1.2 trains it: mask kind -> "

@@ -3,7 +3,10 @@
 The dataset is indexed by ``(index, epoch, bucket)`` keys from the bucket sampler. A file
 that fails to decode (truncated, zero-byte, not a video, vanished) is replaced by another
 sample of the same bucket, so the batch keeps its shape; the failure travels with the
-sample (``failed``) so the trainer can count it, even from DataLoader workers.
+sample (``failed``) so the trainer can count it, even from DataLoader workers. A clip whose
+frames have more than ``max_pixels`` (``data.max_pixels``) pixels, by its CSV row or its
+stream header, fails the same way before anything is decoded; frames more than 8x their
+bucket's size are shrunk as they are decoded (``read_video(fit=...)``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, default_collate, get_worker_info
 
 from videodit.data.metadata import Metadata
-from videodit.data.video import VideoReadError, read_video
+from videodit.data.video import MAX_PIXELS, FrameTooLarge, VideoReadError, read_video
 from videodit.errors import UserError
 
 if TYPE_CHECKING:
@@ -159,12 +162,13 @@ class VideoDataset(Dataset):
     """
 
     def __init__(self, meta: Metadata, plan: "BucketPlan", frame_interval: int = 1, seed: int = 0,
-                 max_replacements: int = 8):
+                 max_replacements: int = 8, max_pixels: int = MAX_PIXELS):
         self.meta = meta
         self.plan = plan
         self.frame_interval = frame_interval
         self.seed = seed
         self.max_replacements = max_replacements
+        self.max_pixels = max_pixels
 
     def __len__(self) -> int:
         return len(self.meta)
@@ -203,7 +207,11 @@ class VideoDataset(Dataset):
         # Only the sampled frames are decoded; the reader asks for them once it knows the
         # frame count, so the draw is the one a full decode would have made.
         pick = functools.partial(self._frame_indices, index, epoch, shape.num_frames)
-        frames, _ = read_video(self.meta.paths[index], indices=pick, threaded=self._threaded(index))
+        path, height, width = self.meta.paths[index], int(self.meta.heights[index]), int(self.meta.widths[index])
+        if height * width > self.max_pixels:   # the CSV's size: not even opened
+            raise FrameTooLarge(path, width, height, self.max_pixels, where=", by the CSV")
+        frames, _ = read_video(path, indices=pick, threaded=self._threaded(index), max_pixels=self.max_pixels,
+                               fit=(shape.height, shape.width))
         return {
             "video": clip_tensor(frames, shape.height, shape.width, out),
             "text": self.meta.texts[index],

@@ -557,7 +557,7 @@ def _open_entry(source: Path, entry: Path, shared: bool = True) -> Metadata:
 
 def write_csv(path: str | Path, columns: tuple[str, ...] | list[str], rows: list[dict]) -> None:
     """Write ``rows`` as CSV atomically, with ``\\n`` line ends for stable bytes."""
-    from videodit.data.video import atomic_output   # video.py pulls in PyAV; metadata stays light
+    from videodit.data.video_write import atomic_output   # video.py pulls in PyAV; metadata stays light
 
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=list(columns), lineterminator="\n")
@@ -571,7 +571,7 @@ def write_csv(path: str | Path, columns: tuple[str, ...] | list[str], rows: list
 def table_writer(path: str | Path, schema: pa.Schema):
     """A writer of tables to ``path``, moved into place on success: Parquet for ``.parquet`` /
     ``.pq``, else CSV."""
-    from videodit.data.video import atomic_output
+    from videodit.data.video_write import atomic_output
 
     with atomic_output(path) as tmp:
         parquet = Path(path).suffix.lower() in PARQUET_SUFFIXES

@@ -60,6 +60,7 @@ from tqdm import tqdm
 from videodit.data.metadata import REQUIRED_COLUMNS, Source, table_writer, write_csv
 from videodit.data.video import (IMAGE_SUFFIXES, VIDEO_SUFFIXES, VideoReadError, is_image_path, probe_video)
 from videodit.errors import UserError
+from videodit.user_files import NotRegularFile, check_regular_file, read_user_text
 
 __all__ = ["SCAN_COLUMNS", "REPORT_COLUMNS", "FILTER_REASONS", "error_report_path", "scan",
            "filter_metadata"]
@@ -208,11 +209,13 @@ def _csv_path(path: str, out_dir: str) -> str:
 def _read_captions(captions: str | os.PathLike) -> dict[str, str]:
     """``{key: caption}`` from a ``path,text`` CSV or ``path<TAB>caption`` lines."""
     source = Path(captions)
-    if not source.is_file():
+    if not source.exists():
         raise UserError(f"captions file {str(source)!r} does not exist; pass a .csv with path,text "
                         "columns or a text file of path<TAB>caption lines")
     try:
-        content = source.read_text(encoding="utf-8-sig")
+        content = read_user_text(source, encoding="utf-8-sig")   # a FIFO is refused, never waited on
+    except NotRegularFile as exc:
+        raise UserError(f"captions file {str(source)!r} is {exc.strerror}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"cannot read captions file {str(source)!r} ({exc}); save it as UTF-8 text") from None
     result: dict[str, str] = {}
@@ -292,6 +295,10 @@ def _decoded_frame_count(path: str) -> int:
     A frame size that changes mid-stream is an error: training would rescale those frames
     to the first size (distorting them), so the file is reported for re-encoding.
     """
+    try:
+        check_regular_file(path)   # checked by probe_video too; a FIFO swapped in since would block av.open
+    except OSError as exc:
+        raise VideoReadError(path, exc.strerror or str(exc)) from None
     try:
         with av.open(str(path)) as container:
             stream = container.streams.video[0]

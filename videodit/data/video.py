@@ -1,20 +1,6 @@
-"""Video and still-image I/O built on PyAV.
+"""Reading video and still images with PyAV (writing: ``video_write.py``).
 
 Frames are always ``uint8`` numpy arrays shaped ``[T, H, W, 3]`` in RGB order.
-
-Writing
-    * ``.mp4``: H.264 (libx264, yuv420p, CRF 12) so saturated colours survive the
-      round trip well enough for colour metrics. yuv420p stores chroma at half
-      resolution, so H.264 needs even heights and widths: odd sizes raise
-      ``UserError`` rather than being silently padded, because a padded clip would no
-      longer match the size recorded in a dataset CSV.
-    * ``.gif``: each frame is palettised with Pillow (up to 256 exact colours, no
-      dithering) and muxed by FFmpeg's GIF encoder. Pillow's own GIF writer is not
-      used because it merges identical consecutive frames, which changes ``T``.
-    * ``.png`` / ``.jpg`` / ...: a single frame (``T == 1``) is written as a still image.
-
-    Every write goes to a temporary file in the destination folder and is moved into
-    place with ``os.replace``, so a crash never leaves a half-written file behind.
 
 Reading
     ``read_video`` decodes every frame, or only the frames asked for (``indices``):
@@ -25,15 +11,26 @@ Reading
     with ``fps == IMAGE_FPS``. A stream whose frame size changes mid-file is read at its
     first (declared) size. Anything that cannot be read raises ``VideoReadError`` naming
     the path and the reason.
+
+Bounds
+    Only regular files are opened (``user_files.check_regular_file``): a FIFO would block
+    ``av.open`` or ``Image.open`` forever, a device stream without end. A stream or image
+    whose declared (header) size, or a decoded frame's size, is more than ``max_pixels``
+    (``data.max_pixels``, default ``MAX_PIXELS``) raises ``FrameTooLarge`` before its frames
+    are decoded. Given ``fit`` (the size frames will be resized to cover and cropped to), frames
+    more than 8x that size per side (``SHRINK_ABOVE``) are shrunk while they are read: by
+    swscale in the colour conversion (no full-size RGB frame is made), by JPEG's DCT scaling
+    (``Image.draft``) and Pillow's resize for images. They are shrunk to 4x the cover size
+    (``SHRINK_TO``), so the last antialiased step stays the trainer's own
+    (``dataset.clip_tensor``), as for any clip up to 8x its bucket's size.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
-import tempfile
-from fractions import Fraction
+import re
+import warnings
 from pathlib import Path
 from typing import Callable, Iterator, Sequence, Union
 
@@ -41,18 +38,18 @@ import av
 import numpy as np
 from PIL import Image
 
-from videodit.errors import UserError
+from videodit.user_files import NotRegularFile, check_regular_file, open_user_file
 
 __all__ = [
+    "FrameTooLarge",
     "IMAGE_FPS",
     "IMAGE_SUFFIXES",
+    "MAX_PIXELS",
     "VIDEO_SUFFIXES",
     "VideoReadError",
-    "atomic_output",
     "is_image_path",
     "probe_video",
     "read_video",
-    "write_video",
 ]
 
 # Open-Sora gives still images this nominal frame rate (``IMG_FPS`` in its datasets).
@@ -61,19 +58,13 @@ IMAGE_FPS = 120.0
 VIDEO_SUFFIXES = (".mp4", ".gif")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
-# CRF 12 is visually lossless for flat synthetic colours; the files stay tiny anyway.
-# Reproducibility: with macroblock-tree rate control libx264 gave different bytes
-# (and decoded pixels off by up to ~12) for the same input in ~3% of 32x32 toy clips,
-# even single-threaded, so mbtree is off. One thread makes the output independent of
-# the machine's core count; toy-sized clips encode in milliseconds either way.
-_H264_OPTIONS = {"crf": "12", "preset": "medium", "threads": "1", "x264-params": "mbtree=0"}
+# The default bound on a frame's pixels (height x width): ``data.max_pixels``'s default. A
+# 8192x8192 RGB frame is 200 MB; one of 16000x16000 would need ~12 GB by the time it is resized.
+MAX_PIXELS = 16384 * 16384 // 4
 
 # Below this many pixels per frame a single-threaded colour conversion is fastest.
 _SMALL_FRAME_PIXELS = 256 * 256
 
-# AVColorSpace/AVColorPrimaries/AVColorTransferCharacteristic value for BT.601 (525).
-_AV_SMPTE170M = 6
-_AV_RANGE_MPEG = 1
 
 
 class VideoReadError(Exception):
@@ -85,44 +76,61 @@ class VideoReadError(Exception):
         super().__init__(f"cannot read video {self.path!r}: {reason}")
 
 
+class FrameTooLarge(VideoReadError):
+    """A clip's or image's frames (declared, or as decoded) have more pixels than allowed.
+
+    ``width``/``height`` are None when only the pixel count is known (Pillow's own bound)."""
+
+    def __init__(self, path: str | os.PathLike, width: int | None, height: int | None, limit: int,
+                 where: str = "", pixels: int | None = None):
+        self.width, self.height, self.limit = width, height, limit
+        self.pixels = pixels if pixels is not None else width * height
+        size = f"are {width}x{height} (width x height{where}), {self.pixels} pixels" if width else \
+            f"have {self.pixels} pixels"
+        super().__init__(path, f"its frames {size}, more than data.max_pixels={limit}; shrink the file "
+                               "(e.g. ffmpeg -i IN -vf scale=1280:-2 OUT) or raise data.max_pixels")
+
+
+def _check_pixels(path, width: int, height: int, limit: int | None, where: str = "") -> None:
+    if limit is not None and int(width) * int(height) > limit:
+        raise FrameTooLarge(path, int(width), int(height), limit, where)
+
+
+# Frames more than SHRINK_ABOVE times their cover size (per side) are shrunk to SHRINK_TO times
+# it as they are read; torch's antialiased resize does the rest. Measured on 1080p frames of
+# fine texture against an area-averaged reference (levels of 255, mean absolute): at 64x64,
+# resizing full frames 4.9, swscale to 4x then torch 4.7 (to 2x: 6.0); CPU per frame 20 ms vs
+# 2.9 ms. Shrinking by less than 2x first saves nothing: 1080p -> 4x of 256x256 took 37 ms vs
+# 28 ms for the full frame, hence SHRINK_ABOVE = 2 x SHRINK_TO.
+SHRINK_TO = 4
+SHRINK_ABOVE = 2 * SHRINK_TO
+
+# swscale's default scaled yuv420p -> RGB path interpolates chroma poorly (10 levels of 255 off
+# an area average at 1080p -> 228x128, against 1.9 with full chroma interpolation).
+_SHRINK_INTERPOLATION = (av.video.reformatter.Interpolation.BICUBIC
+                         | av.video.reformatter.Interpolation.FULL_CHR_H_INT)
+
+
+def shrunk_size(width: int, height: int, fit: tuple[int, int] | None) -> tuple[int, int] | None:
+    """``(width, height)`` to read a ``width`` x ``height`` frame at when it will be resized to
+    cover ``fit`` = ``(height, width)`` and cropped: ``SHRINK_TO`` times the cover size when the
+    frame is more than ``SHRINK_ABOVE`` times it per side, else None (read it as it is). Keeps
+    the aspect ratio, as the cover resize does, so the crop takes the same part of the frame."""
+    if fit is None or not (width and height):
+        return None
+    scale = max(fit[0] / height, fit[1] / width)
+    if scale * SHRINK_ABOVE >= 1:
+        return None
+    return max(SHRINK_TO * fit[1], round(width * scale * SHRINK_TO)), \
+        max(SHRINK_TO * fit[0], round(height * scale * SHRINK_TO))
+
+
 # --------------------------------------------------------------------------- helpers
 
 
 def is_image_path(path: str | os.PathLike) -> bool:
     """True if ``path`` has a still-image suffix (``.png``, ``.jpg``, ...)."""
     return Path(path).suffix.lower() in IMAGE_SUFFIXES
-
-
-@contextlib.contextmanager
-def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path next to ``path``; move it onto ``path`` on success.
-
-    The temporary file lives in the same folder so ``os.replace`` is an atomic rename
-    (never a cross-device copy). On any exception the temporary file is removed and
-    ``path`` is left untouched.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(
-        dir=path.parent, prefix=f".{path.name}.", suffix=f".tmp{path.suffix}"
-    )
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        yield tmp
-        # mkstemp creates files as 0600; give the result ordinary permissions.
-        os.chmod(tmp, 0o666 & ~_current_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _current_umask() -> int:
-    # The only portable way to read the umask is to set it and put it back.
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _sws_threads(frame: av.VideoFrame) -> int:
@@ -132,120 +140,6 @@ def _sws_threads(frame: av.VideoFrame) -> int:
     means a thread pool per frame, which made 32x32 clips ~5x slower to read.
     """
     return 1 if frame.width * frame.height <= _SMALL_FRAME_PIXELS else 0
-
-
-def _check_frames(frames: np.ndarray) -> np.ndarray:
-    """Validate a ``[T, H, W, 3]`` uint8 array and return it C-contiguous."""
-    if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8:
-        raise ValueError(f"frames must be a uint8 numpy array, got {type(frames).__name__} "
-                         f"{getattr(frames, 'dtype', '')}")
-    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
-        raise ValueError(f"frames must have shape [T>=1, H, W, 3], got {list(frames.shape)}")
-    return np.ascontiguousarray(frames)
-
-
-def _check_fps(fps: float) -> Fraction:
-    if not np.isfinite(fps) or fps <= 0:
-        raise UserError(f"fps={fps!r} is not a positive frame rate; use e.g. fps=8")
-    # Containers want a rational rate; 1001 keeps NTSC rates such as 30000/1001 exact.
-    return Fraction(fps).limit_denominator(1001)
-
-
-# --------------------------------------------------------------------------- writing
-
-
-def write_video(path: str | os.PathLike, frames: np.ndarray, fps: float) -> None:
-    """Write ``frames`` (uint8 ``[T, H, W, 3]`` RGB) to ``path`` atomically.
-
-    The format follows the suffix: ``.mp4`` (H.264, even sizes only), ``.gif``, or a
-    still-image suffix such as ``.png`` when ``T == 1``. Any other suffix, odd sizes for
-    ``.mp4``, or ``T > 1`` for an image raise ``UserError``.
-    """
-    path = Path(path)
-    frames = _check_frames(frames)
-    suffix = path.suffix.lower()
-    rate = _check_fps(fps)
-    # Validate everything before creating a temporary file.
-    if suffix == ".mp4":
-        _check_even_size(path, frames)
-        writer = functools.partial(_write_mp4, frames=frames, rate=rate)
-    elif suffix == ".gif":
-        writer = functools.partial(_write_gif, frames=frames, rate=rate)
-    elif suffix in IMAGE_SUFFIXES:
-        if frames.shape[0] != 1:
-            raise UserError(f"{path}: a {suffix} image holds one frame but got "
-                            f"{frames.shape[0]}; write the clip as .mp4 or .gif")
-        writer = functools.partial(_write_image, rgb=frames[0], suffix=suffix)
-    else:
-        supported = ", ".join(VIDEO_SUFFIXES + IMAGE_SUFFIXES)
-        raise UserError(f"{path}: cannot write {suffix or 'a file without a suffix'}; "
-                        f"use one of: {supported}")
-    with atomic_output(path) as tmp:
-        writer(tmp)
-
-
-def _check_even_size(path: Path, frames: np.ndarray) -> None:
-    height, width = frames.shape[1:3]
-    if height % 2 or width % 2:
-        raise UserError(
-            f"{path}: H.264 (yuv420p) needs an even height and width but the frames are "
-            f"{height}x{width}; crop or pad them to even sizes, or write a .gif instead"
-        )
-
-
-def _write_mp4(tmp: Path, frames: np.ndarray, rate: Fraction) -> None:
-    height, width = frames.shape[1:3]
-    with av.open(str(tmp), mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=rate)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.options = dict(_H264_OPTIONS)
-        # Tag BT.601 limited range, the conversion used below, so other players and
-        # our own reader invert exactly the matrix the encoder saw.
-        ctx = stream.codec_context
-        ctx.colorspace = ctx.color_primaries = ctx.color_trc = _AV_SMPTE170M
-        ctx.color_range = _AV_RANGE_MPEG
-        for rgb in frames:
-            frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
-            frame = frame.reformat(
-                format="yuv420p",
-                dst_colorspace=av.video.reformatter.Colorspace.ITU601,
-                dst_color_range=av.video.reformatter.ColorRange.MPEG,
-                threads=_sws_threads(frame),
-            )
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode(None))  # flush the encoder's delayed frames
-
-
-def _write_gif(tmp: Path, frames: np.ndarray, rate: Fraction) -> None:
-    height, width = frames.shape[1:3]
-    with av.open(str(tmp), mode="w", format="gif") as container:
-        stream = container.add_stream("gif", rate=rate)
-        stream.width, stream.height, stream.pix_fmt = width, height, "pal8"
-        for rgb in frames:
-            frame = av.VideoFrame.from_ndarray(_palettise(rgb), format="pal8")
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode(None))
-
-
-def _palettise(rgb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Return ``(indices [H, W], palette [256, 4] ARGB)`` for PyAV's pal8 frames.
-
-    Frames with at most 256 colours (all toy clips) are stored exactly; richer frames
-    are quantised by median cut without dithering (dither noise would read as motion).
-    """
-    quantised = Image.fromarray(rgb).quantize(256, dither=Image.Dither.NONE)
-    indices = np.ascontiguousarray(np.asarray(quantised, dtype=np.uint8))
-    colours = np.asarray(quantised.getpalette(), dtype=np.uint8).reshape(-1, 3)
-    palette = np.zeros((256, 4), dtype=np.uint8)
-    palette[:, 0] = 255  # opaque alpha
-    palette[: len(colours), 1:] = colours
-    return indices, palette
-
-
-def _write_image(tmp: Path, rgb: np.ndarray, suffix: str) -> None:
-    fmt = {".jpg": "JPEG", ".jpeg": "JPEG"}.get(suffix, suffix.lstrip(".").upper())
-    options = {"quality": 95} if fmt == "JPEG" else {}
-    Image.fromarray(rgb).save(tmp, format=fmt, **options)
 
 
 # --------------------------------------------------------------------------- reading
@@ -266,8 +160,9 @@ class _Mismatch(Exception):
     """The packet table or a seek disagreed with the decoder: decode the file whole."""
 
 
-def read_video(path: str | os.PathLike, *, indices: Indices | None = None,
-               threaded: bool = True) -> tuple[np.ndarray, float]:
+def read_video(path: str | os.PathLike, *, indices: Indices | None = None, threaded: bool = True,
+               max_pixels: int | None = MAX_PIXELS,
+               fit: tuple[int, int] | None = None) -> tuple[np.ndarray, float]:
     """Decode a video (or a still image) at ``path``; all frames or only ``indices``.
 
     Returns ``(frames, fps)`` with ``frames`` uint8 ``[T, H, W, 3]`` RGB. Still images
@@ -282,31 +177,40 @@ def read_video(path: str | os.PathLike, *, indices: Indices | None = None,
     whose size changes mid-file are rescaled to it, so a clip always stacks into one
     array (``data scan --verify`` reports such files). ``threaded`` lets FFmpeg decode
     with several threads. Raises ``VideoReadError`` if the file is missing, empty, not a
-    decodable video/image, or shorter than an index asks for.
+    regular file, not a decodable video/image, or shorter than an index asks for;
+    ``FrameTooLarge`` (a ``VideoReadError``) if its frames have more than ``max_pixels``
+    pixels (None: no bound). ``fit`` = ``(height, width)``: the frames will be resized to
+    cover that size and centre-cropped (``dataset.clip_tensor``); frames more than 8x
+    that per side are returned shrunk to 4x the cover size (``shrunk_size``), scaled as
+    they are converted, never held at full size in RGB.
     """
     _check_readable(path)
     if is_image_path(path):
-        return _select(path, _read_image(path)[None], indices), IMAGE_FPS
+        return _select(path, _read_image(path, max_pixels=max_pixels, fit=fit)[None], indices), IMAGE_FPS
     if indices is not None:
-        window = _read_window(path, indices, threaded)
+        window = _read_window(path, indices, threaded, max_pixels, fit)
         if window is not None:
             return window
-    frames, fps = _read_all(path, threaded)
+    frames, fps = _read_all(path, threaded, max_pixels, fit)
     return _select(path, frames, indices), fps
 
 
-def _read_all(path: str | os.PathLike, threaded: bool) -> tuple[np.ndarray, float]:
-    """Decode every frame, in order, at the stream's declared size."""
+def _read_all(path: str | os.PathLike, threaded: bool, max_pixels: int | None = MAX_PIXELS,
+              fit: tuple[int, int] | None = None) -> tuple[np.ndarray, float]:
+    """Decode every frame, in order, at the stream's declared size (or ``shrunk_size``)."""
     frames = []
-    with _open_video(path) as (container, stream):
+    with _open_video(path, max_pixels) as (container, stream):
         if threaded:
             stream.thread_type = "AUTO"
-        convert = _FrameConverter(stream)
+        convert = _FrameConverter(stream, path, max_pixels, fit)
         try:
             for frame in container.decode(stream):
                 frames.append(convert(frame))
         except av.FFmpegError as exc:
             reason = f"decoding failed after {len(frames)} frames: {exc}"
+            if not frames and max_pixels is not None and not all(convert.size):
+                reason = (f"no frame decodes within data.max_pixels={max_pixels} (its frames are larger, or it is "
+                          f"damaged: {exc}); shrink or re-encode it, or raise data.max_pixels")
             raise VideoReadError(path, reason) from exc
         fps = _stream_fps(container, stream)
     if not frames:
@@ -330,21 +234,31 @@ def _resolve_indices(path, indices: Indices, total: int) -> np.ndarray:
 
 
 class _FrameConverter:
-    """Decoded frame -> uint8 ``[H, W, 3]`` RGB at the stream's declared size.
+    """Decoded frame -> uint8 ``[H, W, 3]`` RGB at the stream's declared size, or at
+    ``shrunk_size(declared, fit)``: swscale scales while it converts the colours.
 
     One reformatter per clip reuses its swscale context instead of building one per
-    frame; the pixels are the same as ``frame.to_ndarray(format="rgb24")``.
+    frame; without scaling the pixels are the same as ``frame.to_ndarray(format="rgb24")``.
+    A decoded frame of more than ``max_pixels`` (a stream that grows mid-file, or one that
+    declares no size) raises ``FrameTooLarge``.
     """
 
-    def __init__(self, stream):
-        self.size = (stream.codec_context.width, stream.codec_context.height)
+    def __init__(self, stream, path=None, max_pixels: int | None = None, fit: tuple[int, int] | None = None):
+        self.path, self.max_pixels, self.fit = path, max_pixels, fit
+        self.size = self._target(stream.codec_context.width, stream.codec_context.height)
         self.reformatter = av.video.reformatter.VideoReformatter()
 
+    def _target(self, width: int, height: int) -> tuple[int, int]:
+        return shrunk_size(width, height, self.fit) or (width, height)
+
     def __call__(self, frame: av.VideoFrame) -> np.ndarray:
+        _check_pixels(self.path, frame.width, frame.height, self.max_pixels, ", as decoded")
         if not all(self.size):   # no declared size: the first frame sets it
-            self.size = (frame.width, frame.height)
+            self.size = self._target(frame.width, frame.height)
         width, height = self.size
+        shrink = width < frame.width or height < frame.height
         rgb = self.reformatter.reformat(frame, width=width, height=height, format="rgb24",
+                                        interpolation=_SHRINK_INTERPOLATION if shrink else None,
                                         threads=_sws_threads(frame))
         return rgb.to_ndarray()
 
@@ -412,7 +326,8 @@ def _packet_table(path, container, stream) -> _PacketTable | None:
     return _PacketTable(pts_array, np.asarray(keyframe, dtype=bool), np.asarray(shown, dtype=bool), packets)
 
 
-def _read_window(path, indices: Indices, threaded: bool) -> tuple[np.ndarray, float] | None:
+def _read_window(path, indices: Indices, threaded: bool, max_pixels: int | None = MAX_PIXELS,
+                 fit: tuple[int, int] | None = None) -> tuple[np.ndarray, float] | None:
     """``full_decode[indices]`` decoding only from the keyframe before the first wanted frame
     to the last one; None when the stream cannot be read this way (decode it whole).
 
@@ -421,7 +336,7 @@ def _read_window(path, indices: Indices, threaded: bool) -> tuple[np.ndarray, fl
     output frame must carry the timestamp of the next frame number; any disagreement
     (a dropped frame, a seek that lands past the keyframe) falls back to a full decode.
     """
-    with _open_video(path) as (container, stream):
+    with _open_video(path, max_pixels) as (container, stream):
         if stream.codec_context.name not in _TABLE_CODECS:
             return None
         table = _packet_table(path, container, stream)
@@ -430,17 +345,20 @@ def _read_window(path, indices: Indices, threaded: bool) -> tuple[np.ndarray, fl
         if table.num_frames == 0:
             raise VideoReadError(path, "the video stream has no decodable frames")
         wanted = _resolve_indices(path, indices, table.num_frames)
+        convert = _FrameConverter(stream, path, max_pixels, fit)
+        if not all(convert.size):
+            return None   # no declared size to allocate the frames at: a full decode finds it
         if threaded:
             stream.thread_type = "AUTO"
         try:
-            frames = _decode_frames(path, container, stream, table, wanted)
+            frames = _decode_frames(path, container, stream, table, wanted, convert)
         except _Mismatch:
             return None
         return frames, _stream_fps(container, stream)
 
 
-def _decode_frames(path, container, stream, table: _PacketTable, wanted: np.ndarray) -> np.ndarray:
-    convert = _FrameConverter(stream)
+def _decode_frames(path, container, stream, table: _PacketTable, wanted: np.ndarray,
+                   convert: _FrameConverter) -> np.ndarray:
     width, height = convert.size
     out = np.empty((len(wanted), height, width, 3), dtype=np.uint8)
     if not len(wanted):
@@ -496,13 +414,17 @@ def probe_video(path: str | os.PathLike) -> dict:
     """Return ``{num_frames, height, width, fps}`` from container metadata.
 
     Frames are counted by decoding only when the container does not record the count
-    (``stream.frames == 0``). Still images report one frame at ``IMAGE_FPS``.
+    (``stream.frames == 0``). Still images report one frame at ``IMAGE_FPS``; they are
+    decoded to check them, unless their header says they have more than ``MAX_PIXELS``
+    pixels (then, like videos, only the header is read; training skips them).
     """
     _check_readable(path)
     if is_image_path(path):
-        height, width = _read_image(path).shape[:2]
+        width, height = _image_size(path)
+        if width * height <= MAX_PIXELS:
+            height, width = _read_image(path, max_pixels=None).shape[:2]
         return {"num_frames": 1, "height": height, "width": width, "fps": IMAGE_FPS}
-    with _open_video(path) as (container, stream):
+    with _open_video(path, None) as (container, stream):
         num_frames = stream.frames
         if num_frames == 0:
             num_frames = _count_frames(path, container, stream)
@@ -520,21 +442,52 @@ def _check_readable(path: str | os.PathLike) -> None:
         raise VideoReadError(path, "no such file")
     if os.path.isdir(path):
         raise VideoReadError(path, "it is a directory")
+    _check_regular(path)
     if os.path.getsize(path) == 0:
         raise VideoReadError(path, "the file is empty (0 bytes)")
 
 
-@contextlib.contextmanager
-def _open_video(path: str | os.PathLike):
-    """Open ``path`` and yield ``(container, first video stream)``; errors -> VideoReadError."""
+def _check_regular(path: str | os.PathLike) -> None:
+    """``check_regular_file`` as a VideoReadError: a FIFO, socket or device is refused before
+    a library that opens by path (PyAV) could block on it or read it without end."""
     try:
-        container = av.open(str(path), mode="r")
+        check_regular_file(path)
+    except NotRegularFile as exc:
+        raise VideoReadError(path, exc.strerror) from None
+    except OSError as exc:   # vanished since it was listed, or unreadable
+        raise VideoReadError(path, " ".join((exc.strerror or str(exc)).split()).lower()) from None
+
+
+# FFmpeg's own bound on a decoded picture (AVCodecContext.max_pixels) is an int.
+_FFMPEG_MAX_PIXELS = 2**31 - 1
+
+
+@contextlib.contextmanager
+def _open_video(path: str | os.PathLike, max_pixels: int | None = MAX_PIXELS):
+    """Open ``path`` and yield ``(container, first video stream)``; errors -> VideoReadError,
+    a declared frame size of more than ``max_pixels`` -> FrameTooLarge.
+
+    A bound also goes to FFmpeg's decoders (their ``max_pixels``): opening a file decodes its
+    first frames to learn the stream's parameters (a 16000x16000 H.264 frame took 620 MB
+    there), and a decoder so bounded allocates no picture larger, at open or later (a stream
+    that grows mid-file, or declares no size). FFmpeg counts padded (coded) pictures, e.g. a
+    48x32 H.264 frame as 64x32, so its bound is twice ours plus 1M pixels: the exact bound
+    is ours, on the declared size here and on each decoded frame (``_FrameConverter``)."""
+    _check_regular(path)
+    options = {} if max_pixels is None else \
+        {"max_pixels": str(min(2 * max_pixels + 2**20, _FFMPEG_MAX_PIXELS))}
+    try:
+        container = av.open(str(path), mode="r", options=options)
     except (av.FFmpegError, OSError, UnicodeDecodeError) as exc:
         raise VideoReadError(path, f"not a readable video ({exc})") from exc
     with container:
         if not container.streams.video:
             raise VideoReadError(path, "the file has no video stream")
-        yield container, container.streams.video[0]
+        stream = container.streams.video[0]
+        _check_pixels(path, stream.codec_context.width, stream.codec_context.height, max_pixels)
+        if options:
+            stream.codec_context.options = dict(options)
+        yield container, stream
 
 
 def _stream_fps(container, stream) -> float:
@@ -556,9 +509,53 @@ def _count_frames(path, container, stream) -> int:
         raise VideoReadError(path, f"counting frames failed: {exc}") from exc
 
 
-def _read_image(path: str | os.PathLike) -> np.ndarray:
+@contextlib.contextmanager
+def _open_image(path: str | os.PathLike, max_pixels: int | None = MAX_PIXELS):
+    """The image at ``path``, its header read, its pixels not yet decoded (Pillow is lazy);
+    refused as ``FrameTooLarge`` when its header gives more than ``max_pixels`` pixels.
+
+    Opened with ``open_user_file`` (a FIFO is refused, never waited on). Pillow's own
+    decompression-bomb check (``Image.MAX_IMAGE_PIXELS``) warns from 89M pixels and refuses
+    from 179M: the warning is silenced (``max_pixels`` is the bound that applies) and the
+    refusal worded as ours, in one line."""
     try:
-        with Image.open(path) as image:
-            return np.asarray(image.convert("RGB"), dtype=np.uint8).copy()
-    except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise VideoReadError(path, f"not a readable image ({exc})") from exc
+        with open_user_file(path) as handle:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                image = Image.open(handle)
+            with image:
+                _check_pixels(path, *image.size, max_pixels)
+                yield image
+    except NotRegularFile as exc:
+        raise VideoReadError(path, exc.strerror) from None
+    except Image.DecompressionBombError as exc:
+        pixels = re.search(r"\((\d+) pixels\)", str(exc))
+        count = int(pixels.group(1)) if pixels else None
+        if count is not None and max_pixels is not None and count > max_pixels:
+            raise FrameTooLarge(path, None, None, max_pixels, pixels=count) from None
+        raise VideoReadError(path, f"Pillow refuses images of more than {2 * Image.MAX_IMAGE_PIXELS} pixels "
+                                   f"(Image.MAX_IMAGE_PIXELS x 2){f', this one has {count}' if count else ''}; "
+                                   "shrink the image") from None
+    except (OSError, ValueError) as exc:
+        raise VideoReadError(path, f"not a readable image ({' '.join(str(exc).split())})") from exc
+
+
+def _image_size(path: str | os.PathLike) -> tuple[int, int]:
+    """``(width, height)`` from the image's header; nothing decoded."""
+    with _open_image(path, None) as image:
+        return image.size
+
+
+def _read_image(path: str | os.PathLike, *, max_pixels: int | None = MAX_PIXELS,
+                fit: tuple[int, int] | None = None) -> np.ndarray:
+    """uint8 ``[H, W, 3]``; with ``fit``, shrunk as ``shrunk_size`` says: a JPEG is decoded at
+    1/2, 1/4 or 1/8 scale (DCT scaling, ``Image.draft``) where that still covers it, the rest
+    by Pillow's antialiased bicubic resize. Decoding errors become VideoReadError (``_open_image``)."""
+    with _open_image(path, max_pixels) as image:
+        target = shrunk_size(*image.size, fit)
+        if target is not None:
+            image.draft("RGB", target)   # JPEG only; the size stays at least ``target``
+        rgb = image.convert("RGB")
+        if target is not None and rgb.size != target:
+            rgb = rgb.resize(target, Image.Resampling.BICUBIC)   # antialiased, as swscale's
+        return np.asarray(rgb, dtype=np.uint8).copy()

@@ -165,6 +165,7 @@ class ModelSpec:
     released_name: str = ""           # how errors name its released weights ("Open-Sora STDiT3")
     released_format: str = ""         # its id in an import's export.json ("opensora-stdit3")
     released_short: str = ""          # in messages about weights taken ("Open-Sora")
+    released_takes_given_frames: bool = False   # its releases were trained with frame masks (``--ref``)
     released_fix: str = ""            # what to set when released weights do not fit the model
     export_formats: tuple[str, ...] = ()   # ``ckpt export --format`` values besides videodit's own
 

@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from videodit.data.metadata import write_csv
-from videodit.data.video import IMAGE_FPS, write_video
+from videodit.data.video import IMAGE_FPS
+from videodit.data.video_write import write_video
 from videodit.config import Config
 from videodit.errors import UserError
 from videodit.toy.vocabulary import (COLOURS, DIRECTIONS, HELDOUT, SHAPES, all_combinations, caption,

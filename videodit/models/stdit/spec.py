@@ -91,6 +91,7 @@ class StditSpec(ModelSpec):
     released_name = "Open-Sora STDiT3"
     released_format = "opensora-stdit3"
     released_short = "Open-Sora"
+    released_takes_given_frames = True   # Open-Sora 1.2 trained image and video conditioning
     released_fix = "use model.preset=opensora-v1.2 (or its geometry)"
     export_formats = ("opensora",)
 
