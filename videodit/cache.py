@@ -29,10 +29,12 @@ from videodit.components import build_encoders
 from videodit.config import Config
 from videodit.data.buckets.plan import BucketPlan
 from videodit.data.dataset import VideoDataset
-from videodit.data.feature_cache.format import (DTYPES, FAILED, FORMAT, INDEX, MANIFEST, MAX_FRAMES, SHARDS,
-                                                VALIDATION, VERSION, bucket_layout, encoder_identity, jsonable,
-                                                read_manifest, remove_leftovers, same_build, shard_name,
+from videodit.data.feature_cache.format import (DTYPES, FAILED, FORMAT, INDEX, LOCK, MANIFEST, MAX_FRAMES,
+                                                SHARDS, VALIDATION, VERSION, bucket_layout, encoder_identity,
+                                                jsonable, read_manifest, remove_leftovers, same_build, shard_name,
                                                 write_manifest)
+from videodit.data.feature_cache.lock import BuildLock
+from videodit.data.feature_cache.reader import index_problem
 from videodit.data.feature_cache.writer import (Items, ShardWriter, finish_index, part_problem, plan_items,
                                                 shard_count, shard_done, shard_slice)
 from videodit.data.metadata import read_metadata
@@ -68,6 +70,7 @@ def build_cache(cfg: Config, out: str | Path, *, views: int = 1, shard_size: int
     if world > 1 and not dist.is_initialized():
         join_process_group(device, timedelta(minutes=cfg.parallel.timeout_minutes))
     say = log if rank == 0 else (lambda *a, **k: None)
+    lock = BuildLock(out)   # taken by rank 0, before anything in the folder is touched
     try:
         _on_main(lambda: ensure_toy_data(cfg))
         vae, text = build_encoders(cfg, device)
@@ -80,7 +83,12 @@ def build_cache(cfg: Config, out: str | Path, *, views: int = 1, shard_size: int
         if cfg.validation.csv:
             parts.append(_part(cfg, out / VALIDATION, cfg.validation.csv, "validation.csv", 1,
                                cfg.validation.max_samples, vae, text, dtype, shard_size, batch_size, in_bf16))
-        for line in _on_main(lambda: [_prepare(p.folder, p.manifest) for p in parts]):
+        def prepare() -> list[str]:
+            _refuse_foreign(out)   # before the lock: a folder of other files gets no .lock written into it
+            lock.acquire()
+            return [_prepare(p.folder, p.manifest) for p in parts]
+
+        for line in _on_main(prepare):
             say(line, flush=True)
         if dist.is_initialized():   # no collective after this point: ranks finish at their own pace
             dist.destroy_process_group()
@@ -99,6 +107,7 @@ def build_cache(cfg: Config, out: str | Path, *, views: int = 1, shard_size: int
             f"{f' (of {world} ranks)' if world > 1 else ''}", flush=True)
         return {"encoded": encoded, "seconds": seconds, "clips_per_s": rate, "samples": _samples(out)}
     finally:
+        lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -152,9 +161,16 @@ def _part(cfg: Config, folder: Path, csv: str, option: str, views: int, limit: i
     return Part(folder, meta, plan, items, manifest)
 
 
+def _refuse_foreign(folder: Path) -> None:
+    """Refuse an ``--out`` that is a file, or a folder of files that are no cache."""
+    if folder.exists() and (not folder.is_dir() or (not (folder / MANIFEST).exists() and any(
+            p.name not in (VALIDATION, LOCK) for p in folder.iterdir()))):
+        raise UserError(f"--out {folder} is not an empty folder and holds no cache; pick a new or empty folder")
+
+
 def _prepare(folder: Path, manifest: dict) -> str:
-    """On rank 0: start, resume or refuse ``folder``; one line saying which."""
-    if (folder / MANIFEST).is_file():
+    """On rank 0, holding the folder's lock: start, resume or refuse ``folder``; one line saying which."""
+    if (folder / MANIFEST).exists():   # read_manifest refuses a FIFO or anything else in its place
         old = read_manifest(folder, option="--out")
         if not same_build(old, manifest):
             differs = sorted(k for k in set(old) | set(manifest) if old.get(k) != manifest.get(k))
@@ -162,18 +178,20 @@ def _prepare(folder: Path, manifest: dict) -> str:
                             "--out, or delete that folder to rebuild it")
         removed = remove_leftovers(folder)
         damaged = _remove_damaged(folder, manifest)
-        if damaged:
+        index = (folder / INDEX).exists() or (folder / INDEX).is_symlink()
+        bad_index = index and not damaged and index_problem(folder, manifest)
+        if damaged or bad_index:
             (folder / INDEX).unlink(missing_ok=True)   # written again once the damaged shards are
             (folder / FAILED).unlink(missing_ok=True)
         repair = (f"; {len(damaged)} damaged shard(s) removed, to encode again: "
                   f"{', '.join(map(str, damaged[:10]))}{' ...' if len(damaged) > 10 else ''}") if damaged else ""
+        repair += f"; damaged index removed, to write again ({bad_index})" if bad_index else ""
         if (folder / INDEX).is_file():
             return f"{folder}: complete already ({manifest['items']} samples, every shard checked), nothing to do"
         done = sum(shard_done(folder, s) for s in range(manifest["shards"]))
         return (f"{folder}: resuming, {done} of {manifest['shards']} shards already written and checked"
                 + (f" ({removed} unfinished file(s) of the interrupted build removed)" if removed else "") + repair)
-    if folder.exists() and (not folder.is_dir() or any(p.name != VALIDATION for p in folder.iterdir())):
-        raise UserError(f"--out {folder} is not an empty folder and holds no cache; pick a new or empty folder")
+    _refuse_foreign(folder)
     folder.mkdir(parents=True, exist_ok=True)
     write_manifest(folder, manifest)
     return f"{folder}: {manifest['items']} samples in {manifest['shards']} shard(s) of {manifest['shard_size']}"
@@ -227,7 +245,9 @@ def _encode_shards(cfg: Config, part: Part, vae, text, device: torch.device, ran
     groups = _groups(part.items, mine, part.manifest["shard_size"], batch_size)
     if not groups:
         return 0
-    decode = _Decode(VideoDataset(part.meta, part.plan, cfg.data.frame_interval, seed=cfg.train.seed), part.items)
+    dataset = VideoDataset(part.meta, part.plan, cfg.data.frame_interval, seed=cfg.train.seed,
+                           max_pixels=cfg.data.max_pixels)
+    decode = _Decode(dataset, part.items)
     loader = DataLoader(decode, batch_sampler=[g for _, g in groups], collate_fn=list,
                         num_workers=cfg.data.num_workers)
     total = sum(len(g) for _, g in groups)

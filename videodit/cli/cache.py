@@ -34,7 +34,8 @@ def register(sub) -> None:
                         "latents and the valid caption tokens in sharded files. Runs under torchrun (samples "
                         "split across ranks) and resumes after a kill. See docs/feature_cache.md.")
     q.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]")
-    q.add_argument("--out", required=True, help="cache folder (new, empty, or an unfinished build of this config)")
+    q.add_argument("--out", required=True, help="cache folder (new, empty, or an unfinished build of this config); "
+                   "one build at a time: a second refuses while DIR/.lock names a live build")
     q.add_argument("--views", type=positive_int, default=1,
                    help="views per clip: view v is epoch v's bucket and frame window (default 1)")
     q.add_argument("--shard-size", type=positive_int, default=256, help="samples per shard file (default 256)")

@@ -4,8 +4,9 @@ and read back in training (``data.cache=DIR``) instead of decoding and encoding 
 ``format.py`` (folder layout, manifest, identities, checks), ``writer.py`` (shards and index),
 ``reader.py`` (samples by key, the cached batch, encoder stand-ins), ``verify.py`` (each shard's
 SHA-256 and header against the index, checked once per process), ``training.py`` (training and
-validation loaders), ``info.py`` (``cache info``). The build itself, which needs the
-encoders, is ``videodit/cache.py``. docs/feature_cache.md describes the format and decisions.
+validation loaders), ``info.py`` (``cache info``), ``lock.py`` (one ``cache build`` at a time
+per folder). The build itself, which needs the encoders, is ``videodit/cache.py``.
+docs/feature_cache.md describes the format and decisions.
 """
 
 from videodit.data.feature_cache.reader import CachedBatch, FeatureCache

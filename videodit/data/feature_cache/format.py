@@ -9,6 +9,7 @@ A cache folder holds::
     index.parquet                   every encoded sample (written last: the cache is complete)
     failed.parquet                  the videos that could not be read, with the reason
     validation/                     the same layout for validation.csv, when the config has one
+    .lock                           while a ``cache build`` writes the folder: its process and host
 
 Every file is written to a temporary name and renamed into place, so a killed build leaves
 whole files or none; ``cache build`` then redoes only the shards without an index part.
@@ -24,17 +25,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
 
 from videodit.config import Config, DataConfig
 from videodit.errors import UserError
+from videodit.user_files import FileTooLarge, NotRegularFile, check_regular_file, open_user_file, read_user_text
 
 FORMAT = "videodit-feature-cache"
 VERSION = 1
 MANIFEST, INDEX, FAILED, SHARDS, VALIDATION = "manifest.json", "index.parquet", "failed.parquet", "shards", \
     "validation"
+LOCK = ".lock"   # held by the `cache build` writing the folder (lock.py)
+MAX_MANIFEST_BYTES = 16 << 20   # a manifest is ~10 KB; anything near this is not one
 DTYPES = ("bf16", "fp32")
 # Where frame counts are looked up when training from a cache (no VAE is built): the VAE's
 # latent frame count for every clip length up to this.
@@ -70,7 +75,7 @@ def _digest_files(root: Path, files) -> str:
     for path in files:
         size = path.stat().st_size
         digest.update(f"{path.relative_to(root).as_posix()}\0{size}\0".encode())
-        with open(path, "rb") as f:
+        with open_user_file(path) as f:   # a FIFO put in a model folder is refused, not waited on
             if size <= _SAMPLED_BLOCKS * _BLOCK:
                 digest.update(f.read())
                 continue
@@ -186,31 +191,124 @@ def check_compatible(manifest: dict, cfg: Config, buckets, where: str) -> None:
 # --------------------------------------------------------------------------- manifest
 
 
+def regular(path: Path) -> bool:
+    """Whether ``path`` is there (False: missing); a FIFO, socket, device or folder where a
+    cache's file belongs is refused (``NotRegularFile``): reading one would block or never end."""
+    try:
+        check_regular_file(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def read_manifest(folder: Path, option: str = "data.cache") -> dict:
     path = folder / MANIFEST
     where = f"{option}={folder}" if option.startswith(("data.", "--")) else f"{option} {folder}"
     if not folder.is_dir():
         raise UserError(f"{where} does not exist; build it with `videodit cache build CONFIG --out {folder}`")
-    if not path.is_file():
-        raise UserError(f"{where} is not a feature cache (no {MANIFEST}); build one with "
-                        f"`videodit cache build CONFIG --out DIR`")
+    fix = f"build the cache again into a new folder (`videodit cache build CONFIG --out NEW_DIR`), or delete " \
+          f"{folder} first"
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{path} cannot be read ({exc}); rebuild the cache") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise UserError(f"{path} is not a version-{VERSION} {FORMAT} manifest; rebuild the cache with this videodit")
+        if not regular(path):
+            raise UserError(f"{where} is not a feature cache (no {MANIFEST}); build one with "
+                            f"`videodit cache build CONFIG --out DIR`")
+        manifest = json.loads(read_user_text(path, max_bytes=MAX_MANIFEST_BYTES))
+    except NotRegularFile as exc:   # a FIFO would block the read forever
+        raise UserError(f"{path} is {exc.strerror.split(';')[0]}; {fix}") from None
+    except FileTooLarge as exc:
+        raise UserError(f"{path} has {exc.strerror}: no cache manifest is that large; {fix}") from None
+    except (OSError, ValueError, RecursionError) as exc:   # ValueError: not JSON, not UTF-8
+        reason = "nested too deeply to be a manifest" if isinstance(exc, RecursionError) else \
+            " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise UserError(f"{path} cannot be read ({reason}); {fix}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise UserError(f"{path} is not a version-{VERSION} {FORMAT} manifest; rebuild the cache with this videodit: "
+                        f"{fix}")
+    problem = manifest_problem(manifest)
+    if problem:
+        raise UserError(f"{path} is not a valid cache manifest ({problem}); {fix}")
     return manifest
+
+
+_INT, _STR, _LIST, _DICT = (int,), (str,), (list,), (dict,)
+# What the readers use of a manifest, by type: a hand-edited or crafted one is refused in one
+# line instead of failing wherever a key is first used.
+_MANIFEST_TYPES = {
+    "shards": _INT, "items": _INT, "views": _INT, "shard_size": _INT, "seed": _INT, "dtype": _STR,
+    "latents": _STR, "items_digest": _STR, "source": {"csv": _STR, "rows": _INT},
+    "encoders": {"vae": {"kind": _STR}, "text": {"kind": _STR}},
+    "layout": {"buckets": _LIST, "frame_interval": _INT},
+    "latent": {"channels": _INT, "spatial_compression": _INT, "temporal_compression": _INT, "frames": _LIST,
+               "shapes": _DICT},
+    "text_geometry": {"dim": _INT, "max_length": _INT},
+}
+# Sizes a cache can have; beyond them a manifest would only make the reader allocate without end.
+_MAX_ITEMS, _MAX_VIEWS = 1 << 31, 1 << 15
+
+
+def _type_problem(value: Any, spec, where: str) -> str | None:
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            return f"{where or 'the manifest'} is not an object"
+        for key, sub in spec.items():
+            if key not in value:
+                return f"no {(where + '.') if where else ''}{key}"
+            problem = _type_problem(value[key], sub, f"{where}.{key}" if where else key)
+            if problem:
+                return problem
+        return None
+    if not isinstance(value, spec) or isinstance(value, bool):
+        return f"{where} is {type(value).__name__}, not {spec[0].__name__}"
+    if spec is _INT and value < 0:
+        return f"{where} is negative"
+    return None
+
+
+def _int_list(value: Any, length: int | None = None) -> bool:
+    return isinstance(value, list) and (length is None or len(value) == length) and \
+        all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def manifest_problem(m: dict) -> str | None:
+    """What makes ``m`` unusable as a cache manifest (types, sizes, consistency), or None."""
+    problem = _type_problem(m, _MANIFEST_TYPES, "")
+    if problem:
+        return problem
+    if m["dtype"] not in DTYPES:
+        return f"dtype {str(m['dtype'])[:20]!r} is not one of {', '.join(DTYPES)}"
+    if not 1 <= m["views"] <= _MAX_VIEWS or m["source"]["rows"] * m["views"] > _MAX_ITEMS \
+            or m["items"] > _MAX_ITEMS:
+        return f"{m['views']} views of {m['source']['rows']} clips, {m['items']} samples: more than a cache holds"
+    if m["shard_size"] < 1 or m["shards"] != math.ceil(m["items"] / m["shard_size"]):
+        return f"{m['shards']} shards do not hold {m['items']} samples of {m['shard_size']}"
+    buckets, latent = m["layout"]["buckets"], m["latent"]
+    if not all(isinstance(b, list) and len(b) == 5 and _int_list(b[1:2] + b[3:5]) for b in buckets):
+        return "layout.buckets is not a list of [resolution, frames, ratio, height, width]"
+    keep = m["layout"].get("keep", 0)   # missing: refused too
+    if keep is not None and not (isinstance(keep, list) and all(isinstance(k, list) for k in keep)):
+        return "layout.keep is neither null nor a list of bucket entries"
+    if set(latent["shapes"]) != {str(b) for b in range(len(buckets))} or \
+            not all(_int_list(shape, 4) for shape in latent["shapes"].values()):
+        return "latent.shapes is not one [C, T, H, W] per bucket"
+    if not _int_list(latent["frames"]) or min(latent["spatial_compression"], m["text_geometry"]["dim"]) < 1:
+        return "latent.frames, latent.spatial_compression or text_geometry.dim is invalid"
+    return None
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file, fsync, rename."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:   # a full disk, a signal: no temporary file left behind
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None:   # a failed write names no file: name it
+            raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+        raise
 
 
 def write_manifest(folder: Path, manifest: dict) -> None:

@@ -7,8 +7,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from videodit.data.feature_cache.format import (FAILED, INDEX, SHARDS, VALIDATION, describe_encoder,
-                                                read_manifest, shard_name)
+from videodit.data.feature_cache.format import (INDEX, SHARDS, VALIDATION, describe_encoder, read_manifest,
+                                                shard_name)
+from videodit.data.feature_cache.reader import read_failed, read_index
 from videodit.data.feature_cache.verify import record_of_part
 from videodit.data.feature_cache.writer import part_problem, shard_done
 
@@ -21,7 +22,7 @@ def cache_summary(folder: str | Path) -> dict:
     shard_bytes = sum(p.stat().st_size for p in (folder / SHARDS).glob("shard-*.safetensors")) \
         if (folder / SHARDS).is_dir() else 0
     summary = {
-        "folder": str(folder), "complete": (folder / INDEX).is_file(), "shards": manifest["shards"],
+        "folder": str(folder), "complete": (folder / INDEX).exists(), "shards": manifest["shards"],
         "shards_written": done, "source": manifest["source"], "views": manifest["views"], "dtype": manifest["dtype"],
         "latents": manifest["latents"], "encoders": manifest["encoders"], "latent": {
             k: v for k, v in manifest["latent"].items() if k != "frames"}, "text": manifest["text_geometry"],
@@ -29,11 +30,9 @@ def cache_summary(folder: str | Path) -> dict:
         **check_shards(folder, manifest),
     }
     if summary["complete"]:
-        index = pq.read_table(folder / INDEX)
-        bucket = index.column("bucket").to_numpy()
-        latent_bytes = index.column("latent_bytes").to_numpy()
-        text_bytes = index.column("text_bytes").to_numpy()
-        tokens = index.column("text_len").to_numpy()
+        index, _ = read_index(folder, manifest, option="cache folder")   # damaged: one line naming it
+        bucket, latent_bytes, text_bytes, tokens = (index[k] for k in ("bucket", "latent_bytes", "text_bytes",
+                                                                        "text_len"))
         rows = []
         for b, shape in enumerate(manifest["layout"]["buckets"]):
             members = bucket == b
@@ -42,8 +41,8 @@ def cache_summary(folder: str | Path) -> dict:
                              "width": shape[4], "samples": int(members.sum()),
                              "latent_shape": manifest["latent"]["shapes"].get(str(b)),
                              "bytes": int(latent_bytes[members].sum() + text_bytes[members].sum())})
-        failed = pq.read_table(folder / FAILED) if (folder / FAILED).is_file() else None
-        summary.update(samples=len(index), clips=int(len(np.unique(index.column("clip").to_numpy()))), buckets=rows,
+        failed = read_failed(folder, manifest)
+        summary.update(samples=len(bucket), clips=int(len(np.unique(index["clip"]))), buckets=rows,
                        latent_bytes=int(latent_bytes.sum()), text_bytes=int(text_bytes.sum()),
                        mean_caption_tokens=float(tokens.mean()) if len(tokens) else 0.0,
                        mean_caption_bytes=float(text_bytes.mean()) if len(text_bytes) else 0.0,
@@ -63,14 +62,17 @@ def check_shards(folder: Path, manifest: dict) -> dict:
     against its index part. ``checksums``: whether every finished shard has a recorded SHA-256
     (False: a cache built before checksums, "not verified")."""
     finished = [s for s in range(manifest["shards"]) if shard_done(folder, s)]
-    parts = [folder / SHARDS / f"{shard_name(s)}.parquet" for s in finished]
-    recorded = sum(record_of_part(pq.read_schema(p).metadata) is not False for p in parts)
-    damaged = []
+    recorded, damaged = 0, []
     for s in finished:
         problem = part_problem(folder, s, manifest)
         if problem:
             damaged.append({"shard": s, "path": str(folder / SHARDS / f"{shard_name(s)}.safetensors"),
                             "problem": problem})
+        try:
+            recorded += record_of_part(pq.read_schema(folder / SHARDS / f"{shard_name(s)}.parquet").metadata) \
+                is not False
+        except Exception:   # an index part that cannot be read: listed as damaged above, not "before checksums"
+            recorded += 1
     return {"checksums": recorded == len(finished), "shards_checksummed": recorded, "shards_checked": len(finished),
             "damaged": damaged}
 

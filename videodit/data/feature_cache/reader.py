@@ -19,9 +19,12 @@ import torch
 from safetensors import safe_open
 from torch.utils.data import Dataset
 
-from videodit.data.feature_cache.format import INDEX, SHARDS, read_manifest, shard_name, tensor_key
-from videodit.data.feature_cache.verify import ShardCheck, records_of
+from videodit.data.feature_cache.format import (FAILED, INDEX, SHARDS, read_manifest, regular, shard_name,
+                                                tensor_key)
+from videodit.data.feature_cache.verify import ShardCheck, ShardDamaged, damaged_message, records_of, top_folder
+from videodit.data.feature_cache.writer import FAILED_COLUMNS, INDEX_SCHEMA
 from videodit.errors import UserError
+from videodit.user_files import NotRegularFile, check_regular_file
 
 _OPEN_SHARDS = 16   # shard files a process keeps open
 
@@ -32,13 +35,7 @@ class FeatureCache:
     def __init__(self, folder: str | Path, option: str = "data.cache"):
         self.folder = Path(folder)
         self.manifest = read_manifest(self.folder, option)
-        if not (self.folder / INDEX).is_file():
-            done = len(list((self.folder / SHARDS).glob("shard-*.parquet"))) if (self.folder / SHARDS).is_dir() else 0
-            raise UserError(f"{option}={self.folder} is not complete ({done} of {self.manifest['shards']} shards "
-                            f"written); finish it with `videodit cache build CONFIG --out {self.folder}` (it resumes)")
-        table = pq.read_table(self.folder / INDEX)
-        self.records = records_of(table.schema.metadata)   # shard -> SHA-256 record; None: built before checksums
-        columns = {name: table.column(name).to_numpy() for name in table.column_names}
+        columns, self.records = read_index(self.folder, self.manifest, option)   # records: shard -> SHA-256
         self.clip, self.view, self.bucket, self.shard = (columns[k] for k in ("clip", "view", "bucket", "shard"))
         self.fps, self.text_len = columns["fps"], columns["text_len"]
         self.text_offset = columns["text_offset"]
@@ -92,7 +89,11 @@ class FeatureCache:
             path = self.folder / SHARDS / f"{shard_name(shard)}.safetensors"
             self._check.verify(self, shard)   # checksum and header, at the shard's first read
             try:
+                check_regular_file(path)   # safetensors would block on a FIFO put there since
                 handle = safe_open(str(path), framework="pt")
+            except NotRegularFile as exc:
+                raise ShardDamaged(damaged_message(path, f"it is {exc.strerror.split(';')[0]}",
+                                                   top_folder(self.folder))) from None
             except Exception as exc:   # OSError, or safetensors' own error types
                 raise UserError(f"{path} cannot be read ({str(exc).splitlines()[0] if str(exc) else exc}); "
                                 "rebuild the cache (delete the shard and its .parquet, then run cache build again)") \
@@ -101,6 +102,120 @@ class FeatureCache:
                 self._handles.popitem(last=False)
         self._handles[shard] = handle
         return handle
+
+
+# --------------------------------------------------------------------------- the index
+
+
+_INDEX_TYPES = {f.name: f.type for f in INDEX_SCHEMA if f.name not in ("ok", "path", "reason")}
+_FAILED_TYPES = {f.name: f.type for f in INDEX_SCHEMA if f.name in FAILED_COLUMNS}
+
+
+class IndexDamaged(Exception):
+    """Why a cache's ``index.parquet`` or ``failed.parquet`` cannot be used."""
+
+
+def _read_parquet(path: Path, types: dict, max_rows: int):
+    """The table at ``path`` with the columns ``types`` (name -> Arrow type), or IndexDamaged."""
+    try:
+        check_regular_file(path)   # pyarrow would block on a FIFO
+        rows = pq.read_metadata(path).num_rows
+        if rows > max_rows:   # read nothing more of a file the manifest cannot account for
+            raise IndexDamaged(f"{rows} rows, more than the manifest's {max_rows} samples")
+        table = pq.read_table(path)
+    except IndexDamaged:
+        raise
+    except FileNotFoundError:
+        raise IndexDamaged("the file is missing") from None
+    except NotRegularFile as exc:
+        raise IndexDamaged(f"it is {exc.strerror.split(';')[0]}") from None
+    except Exception as exc:   # pyarrow's own error types (ArrowInvalid: not Parquet), OSError
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise IndexDamaged(f"not a Parquet file it can read: {reason}") from None
+    for name, kind in types.items():
+        if name not in table.column_names:
+            raise IndexDamaged(f"no column {name!r}")
+        if table.schema.field(name).type != kind:
+            raise IndexDamaged(f"column {name!r} is {table.schema.field(name).type}, not {kind}")
+        if table.column(name).null_count and name not in ("path", "reason"):
+            raise IndexDamaged(f"column {name!r} has empty values")
+    return table
+
+
+def _load_index(folder: Path, manifest: dict) -> tuple[dict[str, np.ndarray], dict | None]:
+    """The index's columns, every value in range of the manifest, and its shard records."""
+    table = _read_parquet(folder / INDEX, _INDEX_TYPES, int(manifest["items"]))
+    try:
+        records = records_of(table.schema.metadata)
+    except (ValueError, TypeError, AttributeError, RecursionError) as exc:
+        raise IndexDamaged(f"its shard checksums cannot be read ({type(exc).__name__})") from None
+    if records is not None and not all(0 <= s < manifest["shards"] and (r is None or (
+            isinstance(r, dict) and isinstance(r.get("sha256"), str) and isinstance(r.get("bytes"), int)))
+            for s, r in records.items()):
+        raise IndexDamaged("its shard checksums are not one {sha256, bytes} record per shard")
+    columns = {name: table.column(name).to_numpy() for name in _INDEX_TYPES}
+    limits = {"clip": manifest["source"]["rows"], "view": manifest["views"],
+              "bucket": len(manifest["layout"]["buckets"]), "shard": manifest["shards"],
+              "text_len": manifest["text_geometry"]["max_length"] + 1,
+              "text_offset": manifest["text_geometry"]["max_length"] + 1}
+    for name, limit in limits.items():
+        values = columns[name]
+        if len(values) and (values.min() < 0 or values.max() >= limit):
+            bad = values[(values < 0) | (values >= limit)][0]
+            raise IndexDamaged(f"column {name!r} holds {bad}, outside 0..{limit - 1} of the manifest")
+    if len(columns["text_len"]) and (columns["text_offset"].astype(np.int64) + columns["text_len"]).max() > \
+            manifest["text_geometry"]["max_length"]:
+        raise IndexDamaged("a caption's tokens run past text_geometry.max_length")
+    return columns, records
+
+
+def _index_message(path: Path, problem: str, folder: Path) -> str:
+    return (f"{path} is damaged ({problem}); run `videodit cache build CONFIG --out {top_folder(folder)}` again with "
+            "the config it was built with: it checks every shard and writes the index again")
+
+
+def read_index(folder: Path, manifest: dict, option: str = "data.cache") -> tuple[dict[str, np.ndarray],
+                                                                                 dict | None]:
+    """The columns of a complete cache's index (refused in one line: missing, damaged, or
+    inconsistent with the manifest) and its shard records (None: built before checksums)."""
+    path = folder / INDEX
+    try:
+        complete = regular(path)
+    except NotRegularFile as exc:
+        raise UserError(_index_message(path, f"it is {exc.strerror.split(';')[0]}", folder)) from None
+    if not complete:
+        done = len(list((folder / SHARDS).glob("shard-*.parquet"))) if (folder / SHARDS).is_dir() else 0
+        raise UserError(f"{option}={folder} is not complete ({done} of {manifest['shards']} shards "
+                        f"written); finish it with `videodit cache build CONFIG --out {folder}` (it resumes)")
+    try:
+        return _load_index(folder, manifest)
+    except IndexDamaged as exc:
+        raise UserError(_index_message(path, str(exc), folder)) from None
+
+
+def read_failed(folder: Path, manifest: dict):
+    """``failed.parquet`` (None where there is none), refused in one line when damaged."""
+    path = folder / FAILED
+    try:
+        if not regular(path):
+            return None
+        return _read_parquet(path, _FAILED_TYPES, int(manifest["items"]))
+    except NotRegularFile as exc:
+        raise UserError(_index_message(path, f"it is {exc.strerror.split(';')[0]}", folder)) from None
+    except IndexDamaged as exc:
+        raise UserError(_index_message(path, str(exc), folder)) from None
+
+
+def index_problem(folder: Path, manifest: dict) -> str | None:
+    """Why a complete cache's ``index.parquet`` or ``failed.parquet`` is damaged, or None: for
+    ``cache build``, which writes them again."""
+    for name, check in ((INDEX, lambda: _load_index(folder, manifest)),
+                        (FAILED, lambda: _read_parquet(folder / FAILED, _FAILED_TYPES, int(manifest["items"])))):
+        try:
+            check()
+        except IndexDamaged as exc:
+            return f"{name}: {exc}"
+    return None
 
 
 @dataclass

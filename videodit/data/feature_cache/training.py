@@ -114,7 +114,7 @@ def build_cached_validation_data(cfg: Config, csv: str, *, batch_size: int, max_
     folder = Path(cfg.data.cache) / VALIDATION
     fix = f"run `videodit cache build CONFIG --out {cfg.data.cache}` with validation.csv={csv} (it keeps the " \
           "finished training shards), or set validation.csv=null"
-    if not (folder / MANIFEST).is_file():
+    if not (folder / MANIFEST).exists():   # a FIFO or a folder there: refused by FeatureCache
         raise UserError(f"data.cache={cfg.data.cache} holds no validation set, and no encoder is built to encode "
                         f"validation.csv: {fix}")
     cache = FeatureCache(folder, option="data.cache (validation)")

@@ -23,13 +23,14 @@ import torch
 
 from videodit.data.feature_cache.format import SHARDS, shard_name, tensor_key
 from videodit.errors import UserError
+from videodit.user_files import NotRegularFile, check_regular_file, open_user_file
 
 
 def _sha256_file(path: Path, chunk: int = 8 << 20) -> str:
     """The SHA-256 of a shard on disk (checkpoint/writer.py has the same for checkpoints; data/ sits
     below checkpoint/, so it keeps its own four lines)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with open_user_file(path) as handle:   # never blocks: a FIFO is refused
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
@@ -65,7 +66,7 @@ def record_of_part(metadata: dict | None) -> dict | None | bool:
 
 
 def _header(path: Path) -> tuple[dict, int]:
-    with open(path, "rb") as f:
+    with open_user_file(path) as f:
         head = f.read(8)
         if len(head) < 8:
             raise ValueError("shorter than a safetensors header")
@@ -96,7 +97,7 @@ def shard_problem(path: Path, expected: dict, record: dict | None | bool) -> str
     """Why the shard file at ``path`` is damaged, or None. ``record``: its checksum record
     (False: none recorded, check the header only)."""
     try:
-        size = path.stat().st_size
+        size = check_regular_file(path).stat().st_size
         if record:
             if size != record["bytes"]:
                 return f"{size} bytes, {record['bytes']} written"
@@ -121,7 +122,9 @@ def shard_problem(path: Path, expected: dict, record: dict | None | bool) -> str
             return "its SHA-256 is not the one recorded when it was written"
     except FileNotFoundError:
         return "the file is missing"
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except NotRegularFile as exc:   # a FIFO would block the reader forever
+        return f"it is {exc.strerror.split(';')[0]}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         return f"it cannot be read ({exc})"
     return None
 
@@ -160,11 +163,11 @@ class ShardCheck:
         path = shard_path(cache.folder, shard)
         problem = shard_problem(path, expected, record)
         if problem:
-            raise ShardDamaged(damaged_message(path, problem, _top(cache.folder)))
+            raise ShardDamaged(damaged_message(path, problem, top_folder(cache.folder)))
         self.ok[shard] = 1
 
 
-def _top(folder: Path) -> Path:
+def top_folder(folder: Path) -> Path:
     """The cache folder the build writes (``DIR`` for ``DIR/validation``)."""
     from videodit.data.feature_cache.format import MANIFEST, VALIDATION
 

@@ -27,6 +27,7 @@ from videodit.data.feature_cache.format import (FAILED, FORMAT, INDEX, SHARDS, a
 from videodit.data.feature_cache.verify import (INDEX_KEY, SHARD_KEY, expected_tensors, record_of_part,
                                                 shard_path, shard_problem, shard_record)
 from videodit.errors import UserError
+from videodit.user_files import check_regular_file
 
 INDEX_SCHEMA = pa.schema([
     ("clip", pa.int64()), ("view", pa.int16()), ("bucket", pa.int32()), ("shard", pa.int32()),
@@ -167,15 +168,18 @@ def part_problem(folder: Path, shard: int, manifest: dict) -> str | None:
     and its recorded SHA-256), or None. A build of before checksums is checked by header only."""
     path = folder / SHARDS / f"{shard_name(shard)}.parquet"
     try:
+        check_regular_file(path)   # pyarrow would block on a FIFO
         part = pq.read_table(path, schema=INDEX_SCHEMA)
         record = record_of_part(pq.read_schema(path).metadata)
-    except Exception as exc:   # pyarrow's own error types
-        return f"its index part {path.name} cannot be read ({str(exc).splitlines()[0] if str(exc) else exc})"
-    ok = part.column("ok").to_numpy(zero_copy_only=False)
+        ok = part.column("ok").to_numpy(zero_copy_only=False).astype(bool)
+        rows = {k: part.column(k).to_numpy(zero_copy_only=False)[ok] for k in ("clip", "view", "bucket", "text_len")}
+        expected = expected_tensors(manifest, rows["clip"], rows["view"], rows["bucket"], rows["text_len"]) \
+            if ok.any() else {}
+    except Exception as exc:   # pyarrow's own error types, a bucket the manifest lacks, not JSON
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        return f"its index part {path.name} cannot be read ({reason})"
     if not ok.any():
         return None   # every video of the shard was unreadable: no tensors file
     if record is None:
         return "its index part lists samples but no tensors file"
-    rows = {k: part.column(k).to_numpy(zero_copy_only=False)[ok] for k in ("clip", "view", "bucket", "text_len")}
-    expected = expected_tensors(manifest, rows["clip"], rows["view"], rows["bucket"], rows["text_len"])
     return shard_problem(shard_path(folder, shard), expected, record)
