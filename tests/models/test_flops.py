@@ -84,8 +84,8 @@ WAN_CASES = {
     "wan-tiny image, full captions": (wan_geometry(), (1, 1, 8, 10), 12),
     "wan, temporal patch 2, no qk norm": (wan_geometry(depth=1, dim=96, num_heads=6, ffn_dim=160, qk_norm=False,
                                                        patch_size=(2, 2, 2), out_channels=8), (2, 4, 6, 6), 5),
-    "wan i2v with CLIP features": (wan_geometry(model_type="i2v", in_channels=12, image_dim=40), (2, 3, 8, 6), 7),
-    "wan ti2v, its image frame given": (wan_geometry(model_type="ti2v"), (2, 3, 8, 6), 7),
+    "wan i2v with CLIP features": (wan_geometry(task="i2v", in_channels=12, image_dim=40), (2, 3, 8, 6), 7),
+    "wan ti2v, its image frame given": (wan_geometry(task="ti2v"), (2, 3, 8, 6), 7),
 }
 
 
@@ -102,7 +102,7 @@ def inputs(g, batch: int, frames: int, height: int, width: int, device="cpu", ca
         drop = torch.zeros(batch, dtype=torch.bool, device=device)
         drop[-1] = batch > 1
         x_mask = None
-        if g.model_type == "ti2v":   # latent frame 0 given, as TI2V trains image-to-video
+        if g.task == "ti2v":   # latent frame 0 given, as TI2V trains image-to-video
             x_mask = torch.ones(batch, frames // g.patch_size[0], dtype=torch.bool, device=device)
             x_mask[:, 0] = False
         image = torch.randn(batch, g.image_tokens, g.image_dim, device=device) if g.image_dim else None

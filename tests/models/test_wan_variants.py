@@ -43,7 +43,7 @@ def run(model, case: dict) -> torch.Tensor:
 @pytest.mark.parametrize("variant, name", CASES)
 def test_forward_matches_wan_from_either_layout(cases, variant, name, layout):
     model = load_wan(FIXTURE / variant / layout).eval()
-    assert model.geometry.model_type == META["variants"][variant]["config"]["model_type"]
+    assert model.geometry.task == META["variants"][variant]["config"]["model_type"]
     assert (model.geometry.image_dim is not None) == (variant == "i2v21")
     case = cases[f"{variant}.{name}"]
     assert relative(run(model, case), case["out"]) < 1e-5

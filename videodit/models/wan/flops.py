@@ -19,7 +19,7 @@ def grid_flops(g: WanGeometry, tokens: int) -> FlopCount:
     token (its image frame at time 0), so its time MLPs run per token; an i2v model with CLIP
     features embeds 257 image tokens, which every cross-attention reads with its own k/v."""
     d, text, image = g.dim, g.text_len, g.image_tokens
-    times = tokens if g.model_type == "ti2v" else 1
+    times = tokens if g.task == "ti2v" else 1
     patch_values = g.in_channels * math.prod(g.patch_size)
     patch_in = tokens * 2 * d * patch_values                       # the Conv3d patchify
     text_in = text * 2 * g.text_dim * d                            # text_embedding.0, fed by the text encoder

@@ -1,4 +1,4 @@
-"""Wan DiT weights on disk (2.1 and 2.2, every model_type): Wan's original folder and diffusers' ``WanTransformer3DModel``.
+"""Wan DiT weights on disk (2.1 and 2.2, every task): Wan's original folder and diffusers' ``WanTransformer3DModel``.
 
 Layouts read (safetensors only; loading never runs code from the files):
 
@@ -126,7 +126,7 @@ def geometry_from_wan_config(config: dict, shapes: Mapping[str, tuple], file: Pa
     text = shapes.get("text_embedding.0.weight")
     patch = shapes.get("patch_embedding.weight")
     image = shapes.get("img_emb.proj.0.weight")
-    return WanGeometry(model_type=model_type, image_dim=image[0] if image else None,
+    return WanGeometry(task=model_type, image_dim=image[0] if image else None,
         dim=config["dim"], ffn_dim=config["ffn_dim"], num_heads=config["num_heads"], num_layers=config["num_layers"],
         in_channels=config.get("in_dim", 16), out_channels=config.get("out_dim", 16),
         freq_dim=config.get("freq_dim", 256), text_len=config.get("text_len", 512), eps=config.get("eps", 1e-6),
@@ -149,7 +149,7 @@ def geometry_from_diffusers_config(config: dict, file: Path) -> WanGeometry:
     model_type = ("i2v" if in_channels == 2 * out_channels + I2V_MASK_CHANNELS else
                   "ti2v" if in_channels == out_channels == WAN22_LATENT_CHANNELS else "t2v")
     return WanGeometry(
-        model_type=model_type, image_dim=config.get("image_dim"),
+        task=model_type, image_dim=config.get("image_dim"),
         dim=heads * config["attention_head_dim"], ffn_dim=config["ffn_dim"], num_heads=heads,
         num_layers=config["num_layers"], in_channels=in_channels, out_channels=out_channels,
         freq_dim=config.get("freq_dim", 256), text_dim=config.get("text_dim", 4096), text_len=DIFFUSERS_TEXT_LEN,
@@ -163,7 +163,7 @@ def wan_config(g: WanGeometry) -> dict:
     cross_attn_norm out (its WanModel would warn about them and ignore them); the reader takes them
     from the weights."""
     return {"_class_name": "WanModel", "_diffusers_version": "0.30.0", "dim": g.dim, "eps": g.eps,
-            "ffn_dim": g.ffn_dim, "freq_dim": g.freq_dim, "in_dim": g.in_channels, "model_type": g.model_type,
+            "ffn_dim": g.ffn_dim, "freq_dim": g.freq_dim, "in_dim": g.in_channels, "model_type": g.task,
             "num_heads": g.num_heads, "num_layers": g.num_layers, "out_dim": g.out_channels, "text_len": g.text_len}
 
 

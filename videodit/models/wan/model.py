@@ -5,7 +5,7 @@ Every block runs full self-attention over all tokens with 3D RoPE, cross-attenti
 tokens, and a GELU-tanh MLP; the diffusion time modulates the self-attention and the MLP of every
 block (a shared projection of the time embedding plus a per-block ``modulation`` table).
 
-The variants (``WanGeometry.model_type``), one network:
+The variants (``WanGeometry.task``, Wan's ``model_type``), one network:
 
 - ``t2v``: text to video (Wan 2.1 T2V, each expert of Wan 2.2 T2V-A14B).
 - ``i2v``: the input is the noisy latent, a 4-channel mask of the given frames and their latents,
@@ -61,20 +61,20 @@ class WanGeometry:
     qk_norm: bool = True
     cross_attn_norm: bool = True
     eps: float = 1e-6
-    model_type: str = "t2v"              # t2v | i2v | ti2v (Wan's config.json names)
+    task: str = "t2v"                    # t2v | i2v | ti2v (Wan config.json's model_type)
     image_dim: int | None = None         # CLIP feature width embedded by img_emb (Wan 2.1 I2V: 1280)
 
     def __post_init__(self):
         object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
-        if self.model_type not in MODEL_TYPES:
-            raise UserError(f"Wan model_type {self.model_type!r} is not one videodit trains; choose one of "
+        if self.task not in MODEL_TYPES:
+            raise UserError(f"Wan model_type (task) {self.task!r} is not one videodit trains; choose one of "
                             f"{', '.join(MODEL_TYPES)}")
-        if self.model_type == "i2v" and self.in_channels != 2 * self.out_channels + I2V_MASK_CHANNELS:
+        if self.task == "i2v" and self.in_channels != 2 * self.out_channels + I2V_MASK_CHANNELS:
             raise UserError(f"a Wan i2v model takes the latent, a {I2V_MASK_CHANNELS}-channel mask and the given "
                             f"frames' latents: in_channels must be {2 * self.out_channels + I2V_MASK_CHANNELS}, "
                             f"not {self.in_channels}")
-        if self.image_dim is not None and self.model_type != "i2v":
-            raise UserError(f"image_dim (CLIP features) belongs to Wan's i2v models, not {self.model_type!r}")
+        if self.image_dim is not None and self.task != "i2v":
+            raise UserError(f"image_dim (CLIP features) belongs to Wan's i2v models, not {self.task!r}")
         if self.dim % self.num_heads or self.head_dim % 2:
             raise UserError(f"Wan needs dim divisible by num_heads into heads of an even size; dim={self.dim} "
                             f"and num_heads={self.num_heads} do not: fix the model config")
