@@ -2,7 +2,7 @@
 
     python benchmarks/metadata.py [--rows 10000000] [--small-rows 1000000] [--ranks 4]
                                   [--repeats 2] [--work DIR] [--before 610fe6b] [--before-rows N ...]
-                                  [--only-startup]
+                                  [--only-startup] [--only-fingerprint]
 
 Synthetic Open-Sora metadata is written once into ``--work`` (kept for later runs) as CSV
 and Parquet: ``path,text,num_frames,height,width,aspect_ratio,fps,resolution``; 30% images
@@ -31,6 +31,13 @@ bad rows (negative num_frames). Then, each in its own process, wall seconds and 
   (heap) memory, which no other process shares and the kernel cannot drop, unlike the
   mapped cache's file pages. "above floor" subtracts each rank's value measured just before
   ``build_training_data`` (Python, torch and gloo).
+
+* the node cache's key (``node_cache.entry_key``: inode, ctime, size, mtime and 64 sampled
+  64 KiB blocks) of the CSV at ``--small-rows`` and ``--rows``, in this process: cold (the
+  file dropped from the page cache first: fsync, then ``posix_fadvise(DONTNEED)``; the pages
+  still resident are counted with ``fincore`` where it exists) and warm (the same call
+  again), best of ``--repeats``; beside it, what a hash of the whole file (SHA-256, 16 MiB
+  reads) would cost, cold and warm. ``--only-fingerprint`` measures this alone.
 """
 
 from __future__ import annotations
@@ -184,6 +191,62 @@ def startup(csv: Path, ranks: int, work: Path) -> dict:
             "rss_above_floor": total("end", "rss") - total("floor", "rss"), "steps": reports[0]["steps"]}
 
 
+def drop_from_page_cache(path: Path) -> int | None:
+    """Evict ``path``'s pages (written back first; DONTNEED drops only clean pages); the pages
+    still resident afterwards, by ``fincore``, or None where it cannot tell."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    try:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+                             capture_output=True, text=True, check=True).stdout
+        return int(out.split()[0])
+    except (OSError, subprocess.CalledProcessError, ValueError, IndexError):
+        return None
+
+
+def whole_file_sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(16 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fingerprints(sizes: list[int], work: Path, repeats: int) -> list[dict]:
+    """Seconds of ``entry_key`` (and of a whole-file SHA-256) on each size's CSV, cold and warm."""
+    from videodit.data.metadata import _CODE
+    from videodit.data.node_cache import entry_key
+
+    rows = []
+    for n in sizes:
+        csv, _ = synthetic(n, work)
+        size = csv.stat().st_size
+        for label, call in (("entry_key (inode, ctime, size, mtime, 64 x 64 KiB)", lambda: entry_key(csv, _CODE)),
+                            ("whole-file SHA-256 (for comparison)", lambda: whole_file_sha256(csv))):
+            cold, warm, resident, keys = [], [], [], set()
+            for _ in range(repeats):
+                resident.append(drop_from_page_cache(csv))
+                for times in (cold, warm):
+                    start = time.perf_counter()
+                    keys.add(call())
+                    times.append(time.perf_counter() - start)
+            rows.append({"rows": n, "bytes": size, "what": label, "cold_s": min(cold), "warm_s": min(warm),
+                         "resident_before_cold": resident, "same_key": len(keys) == 1})
+            print(f"{n:,} rows ({size / 2**20:,.0f} MiB) {label}: cold {min(cold) * 1e3:.2f} ms, warm "
+                  f"{min(warm) * 1e3:.2f} ms (resident before cold: {resident})", flush=True)
+    print("\n| rows | CSV MiB | what | cold ms | warm ms |\n|---:|---:|---|---:|---:|")
+    for r in rows:
+        print(f"| {r['rows']:,} | {r['bytes'] / 2**20:,.0f} | {r['what']} | {r['cold_s'] * 1e3:,.2f} | "
+              f"{r['warm_s'] * 1e3:,.2f} |")
+    return rows
+
+
 def before_code(ref: str) -> str:
     folder = Path(tempfile.mkdtemp(prefix="videodit-before-"))
     archive = subprocess.run(["git", "archive", "--format=tar", ref, "videodit"], check=True, capture_output=True,
@@ -203,6 +266,7 @@ def main() -> None:
     parser.add_argument("--before-rows", type=int, nargs="*", help="row counts to run --before at (default: "
                         "--small-rows; at 10M rows the old reader needs about 15 GB)")
     parser.add_argument("--only-startup", action="store_true", help="only the torchrun start-up measurement")
+    parser.add_argument("--only-fingerprint", action="store_true", help="only the node cache key's cost, cold and warm")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -215,6 +279,10 @@ def main() -> None:
                      "cpus": os.cpu_count()}
     print(f"{os.cpu_count()} CPUs, pyarrow {pyarrow.__version__}, numpy {np.__version__}; work folder {work}",
           flush=True)
+    if args.only_fingerprint:
+        results["fingerprint"] = fingerprints([args.small_rows, args.rows], work, args.repeats)
+        (work / "results-fingerprint.json").write_text(json.dumps(results, indent=1, default=str))
+        return
     rows, now = [], {}
     for n in () if args.only_startup else (args.small_rows, args.rows):
         csv, parquet = synthetic(n, work)
@@ -287,6 +355,9 @@ def main() -> None:
     ratio = lambda key: f"{many[key] / one[key]:.2f}x"
     print(f"\n{args.ranks} ranks / 1 rank: time {ratio('seconds')}, RSS sum {ratio('rss')}, PSS sum {ratio('pss')}, "
           f"PSS above floor {ratio('pss_above_floor')}, anon above floor {ratio('anon_above_floor')}")
+    if not args.only_startup:
+        print(f"\nnode cache key, best of {args.repeats}:")
+        results["fingerprint"] = fingerprints([args.small_rows, args.rows], work, args.repeats)
     (work / "results.json").write_text(json.dumps(results, indent=1, default=str))
 
 

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import pickle
+import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from videodit.checkpoint import (CheckpointManager, LoadedCheckpoint, export, format_inspect, format_list, inspect,
                                  list_checkpoints, list_run, resolve_checkpoint, save_checkpoint, verify_checkpoint,
                                  write_checkpoint, write_safetensors)
+from videodit.cli import main
 from videodit.errors import UserError
 
 
@@ -607,3 +609,82 @@ def test_async_save_of_odd_tensors(tmp_path):
         assert all(torch.equal(loaded.torch_state("optimizer")["state"][k], v) for k, v in tensors.items())
         for tensor in tensors.values():
             tensor.add_(1) if tensor.dtype != torch.bool else tensor.logical_not_()
+
+
+# ---------------------------------------------------------------------------- exports that do not finish
+
+
+def tiny_run(tmp_path) -> Path:
+    """A run folder with one checkpoint (step 3) of a tiny model."""
+    import yaml
+
+    from videodit.components import build_encoders, build_model
+    from videodit.config import from_dict
+
+    config_yaml = tiny_config_yaml()
+    cfg = from_dict(yaml.safe_load(config_yaml))
+    model = build_model(cfg, *build_encoders(cfg, torch.device("cpu")))
+    run = tmp_path / "run"
+    CheckpointManager(run).save(3, tensors={"model": model.state_dict()}, torch_states={},
+                                json_state={"step": 3, "epoch": 0}, config_yaml=config_yaml)
+    return run
+
+
+def staging_folders(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith(".staging-"))
+
+
+KILLED_EXPORT = """
+import os, signal, sys
+import videodit.checkpoint.tools as tools
+real = tools.write_safetensors
+def write_then_die(*args, **kwargs):
+    real(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)   # as kill -9 or the OOM killer would, before the rename
+tools.write_safetensors = write_then_die
+from videodit.cli import main
+main(["ckpt", "export", sys.argv[1], sys.argv[2]])
+"""
+
+
+@pytest.mark.parametrize("next_out", ["export", "other"], ids=["same-command-again", "another-export-beside-it"])
+def test_a_killed_export_leaves_a_staging_folder_that_the_next_export_removes(tmp_path, capsys, next_out):
+    run = tiny_run(tmp_path)
+    killed = subprocess.Popen([sys.executable, "-c", KILLED_EXPORT, str(run), str(tmp_path / "export")],
+                              cwd=tmp_path, stderr=subprocess.DEVNULL)
+    assert killed.wait(timeout=120) == -9
+    assert staging_folders(tmp_path) == [f".staging-export-{killed.pid}"] and not (tmp_path / "export").exists()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:   # what stays: an export still running here, and one of a process on another host (a shared folder)
+        for name, host in ((f".staging-running-{live.pid}", socket.gethostname()),
+                           (f".staging-remote-{dead_pid()}", "another-host")):
+            (tmp_path / name).mkdir()
+            (tmp_path / name / ".videodit-staging.json").write_text(json.dumps({"pid": int(name.rsplit("-", 1)[1]),
+                                                                                 "host": host}))
+        assert main(["ckpt", "export", str(run), str(tmp_path / next_out)]) == 0
+        assert f"removed {tmp_path / f'.staging-export-{killed.pid}'}, left by an export" in capsys.readouterr().err
+        assert [name.rsplit("-", 1)[0] for name in staging_folders(tmp_path)] == [".staging-remote", ".staging-running"]
+    finally:
+        live.kill()
+        live.wait()
+    assert sorted(p.name for p in (tmp_path / next_out).iterdir()) == ["config.json", "export.json",
+                                                                       "model.safetensors", "run_config.yaml"]
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"), RuntimeError("a bug"),
+                                   KeyboardInterrupt()], ids=["disk-full", "exception", "ctrl-c"])
+def test_an_export_that_fails_removes_its_staging_folder(tmp_path, monkeypatch, error):
+    import videodit.checkpoint.tools as tools
+
+    run = tiny_run(tmp_path)
+    real = tools.write_safetensors
+
+    def write_then_fail(*args, **kwargs):
+        real(*args, **kwargs)
+        raise error
+    monkeypatch.setattr(tools, "write_safetensors", write_then_fail)
+    with pytest.raises(UserError if isinstance(error, OSError) else type(error)) as info:
+        export(run, tmp_path / "export")
+    if isinstance(error, OSError):
+        assert str(info.value).startswith("export failed: No space left on device") and "\n" not in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]   # no staging folder, no output

@@ -44,6 +44,10 @@ def test_yaml_file_round_trip(tmp_path):
     ("vae.kind=diffusers", "vae.path is required for vae.kind=diffusers"),
     ("vae.kind=opensora-v1.2", "vae.path is required for vae.kind=opensora-v1.2"),
     ("train", "must look like key.sub=value"),
+    (f"train.batch_size={10**30}", f"train.batch_size={10**30} is too large; it must be <= 65536"),
+    ("lora.rank=1e9", "lora.rank=1000000000 is too large; it must be <= 65536"),
+    ("lora.alpha=-1", "lora.alpha=-1.0 is too small; it must be > 0.0"),
+    ("lora.alpha=0", "lora.alpha=0.0 is too small; it must be > 0.0 (adapter"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(UserError) as info:

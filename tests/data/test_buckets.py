@@ -10,6 +10,7 @@ from videodit.data.buckets import (OPENSORA_V12_STAGE1, ASPECT_RATIOS, RESOLUTIO
                                    BucketConfig, DropReason, assign_buckets,
                                    assign_buckets_reference, build_buckets,
                                    load_opensora_bucket_config, parse_bucket_config, uniform)
+from videodit.cli import main
 from videodit.errors import UserError
 
 # Open-Sora 1.2 configs/opensora-v1-2/train/stage1.py and stage3.py, as written there.
@@ -376,11 +377,32 @@ def test_equal_pixel_counts_keep_config_order():
     ({}, r"bucket_config must be a non-empty dict"),
     ([("144p", {})], r"bucket_config must be a non-empty dict"),
     ({"144p": {1: (0.0, None)}}, r"every bucket_config entry has keep probability 0"),
+    ({"144p": {1: (1.0, 10**30)}}, r"\[1\] batch size 1000000000000000000000000000000 is more than the 65,536 samples "
+                                   r"a bucket batch may hold \(per GPU\); give at most 65,536"),
+    ({"144p": {1: (1.0, 4), 51: (0.0, 65537)}}, r"\[51\] batch size 65537 is more than the 65,536"),
+    ({"144p": {1: (1.0, 10**400)}}, r"batch size <an integer of about 401 digits> is more than the 65,536"),
 ])
 def test_config_errors(config, match):
     with pytest.raises(UserError, match=match) as err:
         parse_bucket_config(config)
     assert "\n" not in str(err.value)
+
+
+def test_the_largest_batch_size_is_taken():
+    assert parse_bucket_config({"144p": {1: (1.0, 65536)}}).entries[0].batch_size == 65536
+
+
+@pytest.mark.parametrize("command", [["plan", "{config}", "--gpu-mem", "80GiB"], ["buckets", "{csv}", "--config", "{config}"],
+                                     ["config", "show", "{config}"]])
+def test_a_huge_bucket_batch_size_is_one_line_in_every_command(tmp_path, capsys, command):
+    csv = tmp_path / "meta.csv"
+    csv.write_text("path,text,num_frames,height,width,aspect_ratio,fps\na.mp4,t,51,144,256,0.56,24\n")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"data:\n  csv: {csv}\n  bucket_config:\n    144p: {{1: [1.0, {10**30}], 51: [1.0, 4]}}\n")
+    assert main([a.format(config=config, csv=csv) for a in command]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("error: bucket_config['144p'][1] batch size 10000") and captured.err.count("\n") == 1
+    assert "more than the 65,536 samples a bucket batch may hold" in captured.err and captured.out == ""
 
 
 def test_zero_probability_allows_missing_batch_size():

@@ -8,6 +8,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -245,6 +246,38 @@ def test_parquet_gives_the_same_rows_and_the_same_checks(tmp_path):
         read_metadata(tmp_path / "junk.parquet")
 
 
+GOOD_PARQUET = {"path": ["a.mp4", "b.mp4"], "text": ["a", "b"], "num_frames": pa.array([16, 1], pa.int64()),
+                "height": pa.array([32, 32], pa.int32()), "width": pa.array([32, 32], pa.uint16()),
+                "aspect_ratio": pa.array([1.0, 1.0], pa.float32()), "fps": pa.array([8, 8], pa.decimal128(4, 1))}
+
+
+@pytest.mark.parametrize("column, values, shown", [
+    ("num_frames", pa.array(["16", "1e1"]), "num_frames holds text, not numbers; write it as int64"),
+    ("num_frames", pa.array(["16", "abc"]).dictionary_encode(), "num_frames holds text, not numbers"),
+    ("height", pa.array([True, False]), "height holds bool, not numbers; write it as int64"),
+    ("width", pa.array([0, 1], pa.date32()), "width holds date32[day], not numbers"),
+    ("fps", pa.array(["8", "8"], pa.large_string()), "fps holds text, not numbers; write it as float64"),
+    ("aspect_ratio", pa.array([None, None], pa.null()), "aspect_ratio holds null, not numbers"),
+    ("text", pa.array([1, 2]), "text holds numbers, not text; store the captions as text"),
+    ("path", pa.array([1, 2]), "path holds numbers, not text; store the paths as text"),
+])
+def test_a_parquet_column_of_the_wrong_type_is_refused_whole_in_one_line(tmp_path, capsys, column, values, shown):
+    """A Parquet column has one type for all its rows: a wrong one is refused before any row is
+    read (as a CSV missing a column is), never parsed value by value into something."""
+    pq.write_table(pa.table(GOOD_PARQUET), tmp_path / "good.parquet")
+    assert read_metadata(tmp_path / "good.parquet").num_frames.tolist() == [16, 1]   # numbers of any kind
+    pq.write_table(pa.table({**GOOD_PARQUET, column: values}), tmp_path / "meta.parquet")
+    cache = tmp_path / "cache"
+    for bad_rows in ("skip", "error"):
+        with pytest.raises(UserError, match=re.escape(f"meta.parquet: column {shown}")) as info:
+            read_metadata(tmp_path / "meta.parquet", bad_rows, cache=cache)
+        assert "\n" not in str(info.value)
+    assert not cache.exists()   # refused before anything was written
+    assert main(["buckets", str(tmp_path / "meta.parquet"), "--config", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and shown in err
+
+
 def test_convert_to_parquet_and_back_keeps_the_good_rows(tmp_path, capsys):
     path = write(tmp_path / "meta.csv", NASTY)
     assert main(["data", "convert", str(path), str(tmp_path / "meta.parquet")]) == 0
@@ -419,3 +452,27 @@ def test_a_copy_put_in_place_with_the_same_mtime_is_read_again(tmp_path, monkeyp
     assert meta.read_report.how.startswith("read and cached") and meta.path(40) == str(tmp_path / "w0040.mp4")
     copy = shutil.copy2(path, tmp_path / "copy.csv")   # a copy beside it: its own entry, its own rows
     assert read_metadata(copy, cache=cache).read_report.how.startswith("read and cached")
+
+
+# ---------------------------------------------------------------------------- files that are not files
+
+
+@pytest.mark.parametrize("fifo, argv", [
+    ("meta.csv", ["buckets", "{fifo}", "--config", "tiny"]),
+    ("meta.parquet", ["buckets", "{fifo}", "--config", "tiny"]),
+    ("meta.csv", ["data", "convert", "{fifo}", "{tmp}/out.parquet"]),
+    ("meta.csv", ["train", "tiny", "--out", "{tmp}/run", "data.csv={fifo}"]),
+    ("buckets.yaml", ["config", "show", "tiny", "data.bucket_config_file={fifo}"]),
+    ("stage1.py", ["buckets", "--from-opensora", "{fifo}"]),
+    ("vae.pth", ["plan", "tiny", "--gpu-mem", "80GiB", "vae.kind=wan2.1", "vae.path={fifo}"]),
+])
+@pytest.mark.timeout(60)   # a FIFO opened for reading would block until a writer came: forever
+def test_a_fifo_given_as_a_file_is_refused_in_one_line_not_waited_on(tmp_path, capsys, fifo, argv):
+    os.mkfifo(tmp_path / fifo)
+    argv = [a.format(fifo=tmp_path / fifo, tmp=tmp_path) for a in argv]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert f"{tmp_path / fifo} is not a regular file but a FIFO; give a regular file" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before   # no run folder, no output

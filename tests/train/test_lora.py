@@ -2,6 +2,7 @@
 sampling the adapters on their base, the merged export, bf16 with checkpointing, and sizes."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -132,6 +133,27 @@ def test_lora_needs_a_base_and_real_targets(toy_dir, tmp_path, capsys):
         Pipeline(run)
 
 
+RANK_33 = ("lora.rank=33 is more than spatial_blocks.0.attn.q can take (in 32, out 32 features; the narrowest adapted "
+           "layer): give lora.rank <= 32, or leave that layer out of lora.targets")
+ALPHA_0 = ("lora.alpha=0.0 is too small; it must be > 0.0 (adapter outputs are scaled by alpha/rank: 0 trains adapters "
+           "that change nothing; leave it unset for alpha = rank)")   # refused by the config, before any model
+
+
+@pytest.mark.parametrize("setting, error", [({"lora.rank": 33}, RANK_33), ({"lora.alpha": 0}, ALPHA_0)],
+                         ids=["rank-above-the-layers", "alpha-0"])
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_lora_settings_the_model_cannot_take_are_one_line_before_anything_is_written(toy_dir, tmp_path, capsys,
+                                                                                      command, setting, error):
+    base = make_base(tiny_overrides(toy_dir), tmp_path / "base")   # hidden 32: every adapted layer is >= 32 wide
+    overrides = lora_overrides(toy_dir, base, **setting)
+    argv = {"train": ["train", "--out", str(tmp_path / "run"), *overrides],
+            "plan": ["plan", "tiny", "--gpu-mem", "80GiB", *overrides]}[command]
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"error: {error}\n"
+    assert not (tmp_path / "run").exists()
+
+
 def test_bf16_lora_with_checkpointing_keeps_the_base_in_bf16(toy_dir, tmp_path):
     base = make_base(tiny_overrides(toy_dir), tmp_path / "base")
     overrides = lora_overrides(toy_dir, base, **{"train.precision": "bf16", "memory.checkpointing": "full",
@@ -230,10 +252,35 @@ def test_a_base_changed_in_the_middle_is_refused(preset_lora_run, tmp_path, caps
     argv = {"resume": ["train", "--out", str(run), *overrides, "train.max_steps=2", "resume=auto"],
             "sample": ["sample", "--ckpt", str(run), "--prompt", "x", "--steps", "2", "--out", str(tmp_path / "c.gif")],
             "export": ["ckpt", "export", str(run), str(tmp_path / "merged"), "--merge-lora"]}[command]
+    before = folder_state(run)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "is not the one the adapters were trained on" in err and "\n" not in err, err
-    assert not (run / "checkpoints/step-0000002").exists() and not (tmp_path / "merged").exists()
+    assert folder_state(run) == before   # a refused resume writes nothing: no .lock, no config.yaml, no samples
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "c.gif").exists()
+
+
+def test_a_resume_refused_after_the_folder_was_taken_writes_nothing(toy_dir, tmp_path, capsys):
+    """The data position is checked when the checkpoint is loaded, after the run folder's lock was
+    taken: a refusal there gives the lock back (it used to stay behind as OUT/.lock)."""
+    toy = shutil.copytree(toy_dir, tmp_path / "toy")
+    base = make_base(tiny_overrides(toy_dir), tmp_path / "base")
+    overrides = lora_overrides(toy, base, **{"train.max_steps": 1})
+    run = tmp_path / "run"
+    assert main(["train", "--out", str(run), *overrides]) == 0
+    rows = (toy / "train.csv").read_text().splitlines(keepends=True)
+    (toy / "train.csv").write_text("".join(rows[:-1]))                      # one clip fewer
+    before = folder_state(run)
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), *overrides, "train.max_steps=2", "resume=auto"]) == 2
+    assert capsys.readouterr().err.startswith("error: the dataset or bucket config changed since the checkpoint")
+    assert folder_state(run) == before
+
+
+def folder_state(folder) -> dict:
+    """Every file and folder under ``folder`` (hidden ones too) with its SHA-256 (None: a folder)."""
+    return {str(p.relative_to(folder)): None if p.is_dir() else lora_module._sha256_file(p)
+            for p in sorted(folder.rglob("*"))}
 
 
 def test_an_unchanged_base_is_not_read_again_by_its_stat_key(toy_dir, tmp_path, monkeypatch):

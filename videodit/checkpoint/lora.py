@@ -33,9 +33,10 @@ from videodit.checkpoint.io import warn
 from videodit.checkpoint.loaded import LoadedCheckpoint
 from videodit.components import model_geometry
 from videodit.config import Config, LoraConfig, from_yaml
-from videodit.errors import UserError
-from videodit.models.lora import add_adapters, is_adapter_name, merge_adapters
+from videodit.errors import UserError, os_error_message
+from videodit.models.lora import add_adapters, check_alpha, is_adapter_name, merge_adapters
 from videodit.models.families import get_spec, released_spec
+from videodit.user_files import NotRegularFile, open_user_file
 
 # Files that hold weights in a released folder (fingerprinted by base_record).
 WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
@@ -130,8 +131,17 @@ def _whole(file: Path, cached: tuple | None = None) -> tuple[str, list[int] | No
 
 
 def _sha256_file(file: Path) -> str:
-    with open(file, "rb") as handle:
+    with _open_base_file(file) as handle:
         return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _open_base_file(file: Path):
+    """A weight file of a LoRA base, opened for reading: a FIFO, socket or device in its place
+    is refused in one line (a FIFO would block the hash forever)."""
+    try:
+        return open_user_file(file)
+    except NotRegularFile as exc:
+        raise UserError(f"LoRA base weights: {os_error_message(exc)}") from None
 
 
 def _sampled(file: Path) -> str:
@@ -139,7 +149,7 @@ def _sampled(file: Path) -> str:
     runs recorded with it."""
     digest = hashlib.sha256()
     size = file.stat().st_size
-    with open(file, "rb") as handle:
+    with _open_base_file(file) as handle:
         digest.update(handle.read(_SAMPLE))
         if size > _SAMPLE:
             handle.seek(max(_SAMPLE, size - _SAMPLE))
@@ -219,6 +229,7 @@ def lora_model(cfg: Config, base: str | Path, adapters: dict[str, torch.Tensor],
 
 def run_base(cfg: Config) -> dict:
     """A LoRA run's base, recorded (:func:`base_record`) from ``model.init_from``, which it needs."""
+    check_alpha(cfg.lora)   # before the base is read and hashed
     if not cfg.model.init_from:
         raise UserError(f"lora.rank={cfg.lora.rank} trains adapters on frozen base weights: set model.init_from to "
                         "them (a checkpoint, a run folder, an export or released weights: Open-Sora STDiT3, Wan)")

@@ -12,9 +12,12 @@ to check it against its manifest (size and SHA-256) and show the damaged ones.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
+import socket
 from pathlib import Path
 
 import torch
@@ -25,7 +28,7 @@ from videodit.checkpoint.io import (EXPORT_RECORD, EXPORT_RUN_CONFIG, STAGING_PR
                                     describe_os_error, list_checkpoints, read_manifest, warn)
 from videodit.checkpoint.loaded import LoadedCheckpoint
 from videodit.checkpoint.lora import adapted_model, lora_config, merge_record, merged_run_config
-from videodit.checkpoint.manager import best_checkpoints, read_events
+from videodit.checkpoint.manager import _pid_alive, best_checkpoints, read_events
 from videodit.checkpoint.writer import fsync_path, write_safetensors
 from videodit.components import model_geometry
 from videodit.config import from_yaml
@@ -324,14 +327,17 @@ def write_model_folder(out_dir: str | Path, tensors: dict[str, torch.Tensor], fi
     staging = parent / f"{STAGING_PREFIX}{out_dir.name}-{os.getpid()}"
     try:
         parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(parent, out_dir.name)
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
+        (staging / STAGING_OWNER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
         write_safetensors(staging / weights_name, tensors, {"format": "pt"})
         for name, text in files.items():
             with open(staging / name, "w") as handle:
                 handle.write(text)
                 handle.flush()
                 os.fsync(handle.fileno())
+        (staging / STAGING_OWNER).unlink()
         fsync_path(staging)
         os.replace(staging, out_dir)   # onto a missing or empty folder
         fsync_path(parent)
@@ -347,6 +353,43 @@ def write_model_folder(out_dir: str | Path, tensors: dict[str, torch.Tensor], fi
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+# Inside a staging folder while it is written: who writes it ({"pid", "host"}), so the next
+# export or import beside it removes it once that process is gone (a killed export).
+STAGING_OWNER = ".videodit-staging.json"
+
+
+def remove_stale_staging(parent: Path, name: str) -> list[Path]:
+    """Remove the staging folders that exports and imports killed before their rename left in
+    ``parent`` (``.staging-NAME-PID``): those of ``name`` (the same output again) whose process
+    is gone, and those of any name whose owner record says a process of this host that is gone.
+    A folder of a process still running, or of another host (a shared folder), stays."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for path in sorted(parent.iterdir()):
+            match = re.fullmatch(re.escape(STAGING_PREFIX) + r"(.+)-(\d+)", path.name)
+            if match is None or not path.is_dir() or path.is_symlink() or int(match.group(2)) == os.getpid():
+                continue
+            owner = _staging_owner(path)
+            if owner is not None:
+                stale = owner["host"] == socket.gethostname() and not _pid_alive(owner["pid"])
+            else:   # killed before it wrote its record (or written by an older videodit): only our own output's
+                stale = match.group(1) == name and not _pid_alive(int(match.group(2)))
+            if stale:
+                shutil.rmtree(path, ignore_errors=True)
+                if not path.exists():
+                    removed.append(path)
+                    warn(f"removed {path}, left by an export or import that was stopped before it finished")
+    return removed
+
+
+def _staging_owner(path: Path) -> dict | None:
+    try:
+        owner = json.loads((path / STAGING_OWNER).read_text())
+        return {"pid": int(owner["pid"]), "host": str(owner["host"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def run_geometry(run_config: str, tensors: dict[str, torch.Tensor]):

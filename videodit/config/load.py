@@ -393,6 +393,9 @@ def _check_value(key: str, value: Any, hint: Any, meta: typing.Mapping) -> Any:
             raise UserError(f"{key}={_show(value)} is not a finite number; give a real value")
         if "min" in meta and value < meta["min"]:
             raise UserError(f"{key}={_show(value)} is too small; it must be >= {meta['min']}")
+        if "above" in meta and not value > meta["above"]:
+            raise UserError(f"{key}={_show(value)} is too small; it must be > {meta['above']}"
+                            + (f" ({meta['above_why']})" if "above_why" in meta else ""))
         if "max" in meta and value > meta["max"]:
             raise UserError(f"{key}={_show(value)} is too large; it must be <= {meta['max']}")
         return value

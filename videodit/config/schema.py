@@ -45,6 +45,18 @@ MODEL_OPTION_DEFAULTS: dict[str, Any] = dict(family="stdit", position_embedding=
                                              bf16_timesteps=False, freeze_null_caption=False)
 
 
+# The most samples one batch may hold per GPU (train.batch_size, a bucket_config batch size). The
+# largest Open-Sora 1.2 uses is 475 (144p images) and `videodit plan` searches up to 4,096; a
+# per-GPU batch of 65,536 is already more than any model fits, while 10**30 overflows the
+# sampler's int64 arrays (a traceback) or asks for its memory.
+MAX_BATCH_SIZE = 1 << 16
+# The largest LoRA rank: a rank above a layer's smaller side (in or out features) adds nothing
+# a full update cannot, and no released video DiT has layers wider than this (Wan 2.1 14B: 5,120
+# wide, FFN 13,824). The rank is checked against the adapted layers once the model is known
+# (models/lora.py); this bound stops 1e9 before anything is built.
+MAX_LORA_RANK = 1 << 16
+
+
 @dataclass
 class ModelConfig:
     preset: str = opt("tiny", "model geometry preset: tiny, S, B, XL or opensora-v1.2 (XL with Open-Sora 1.2's "
@@ -196,7 +208,7 @@ class TextConfig:
 class TrainConfig:
     max_steps: int = opt(1000, "optimizer steps to train", min=0)
     seed: int = opt(0, "seed for initialisation, data order, noise and timesteps")
-    batch_size: int = opt(16, "samples per micro-batch", min=1)
+    batch_size: int = opt(16, "samples per micro-batch", min=1, max=MAX_BATCH_SIZE)
     grad_accum: int = opt(1, "micro-batches per optimizer step", min=1)
     lr: float = opt(3e-4, "peak AdamW learning rate", min=0.0)
     weight_decay: float = opt(0.0, "AdamW weight decay", min=0.0)
@@ -260,9 +272,12 @@ LORA_TARGETS = {"stdit": ["attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc1", 
 @dataclass
 class LoraConfig:
     rank: int = opt(0, "LoRA rank (0 = off: full fine-tuning); >0 trains low-rank adapters (peft) on a frozen base "
-                    "given by model.init_from; checkpoints then hold only the adapters", min=0)
-    alpha: Optional[float] = opt(None, "LoRA scale numerator: adapter outputs are scaled by alpha/rank (default: "
-                                 "the rank, i.e. scale 1)", min=0.0)
+                    "given by model.init_from; checkpoints then hold only the adapters; at most the smaller side "
+                    "of every adapted layer", min=0, max=MAX_LORA_RANK)
+    alpha: Optional[float] = opt(None, "LoRA scale numerator, > 0: adapter outputs are scaled by alpha/rank "
+                                 "(default: the rank, i.e. scale 1)", above=0.0,
+                                 above_why="adapter outputs are scaled by alpha/rank: 0 trains adapters that change "
+                                           "nothing; leave it unset for alpha = rank")
     dropout: float = opt(0.0, "dropout on the adapters' inputs", min=0.0, max=1.0)
     targets: Optional[list[str]] = opt(None, "Linear layers that get adapters: a path inside every block (attn.q, "
                                        "cross_attn.k, mlp.fc1, ...; Wan: self_attn.q, ffn.0, ... or diffusers' "

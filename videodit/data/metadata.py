@@ -8,7 +8,8 @@ A read streams the file in blocks through pyarrow and checks each block column-w
 row-by-row reader's rules and messages: an empty path, a size or rate that is not a positive
 number, a frame count or size that is not whole, a row with more fields than the header. Bad
 rows are skipped and counted with their CSV line (Parquet: row number), or refused all at
-once with ``bad_rows="error"``.
+once with ``bad_rows="error"``; a Parquet column of the wrong type (numbers stored as text) is
+refused whole. A FIFO, socket, device or folder is refused, never waited on (``user_files``).
 
 The node cache (``cache=FOLDER``, or ``"auto"``: ``~/.cache/videodit/metadata`` for files of 64
 MiB or more). The checked table is written once, as Arrow IPC plus raw numeric columns, into
@@ -27,7 +28,6 @@ import csv
 import hashlib
 import io
 import json
-import operator
 import queue
 import shutil
 import sys
@@ -35,7 +35,6 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -48,8 +47,10 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from videodit.data.columns import Column
 from videodit.data.node_cache import build_once, cache_folder, entry_key, local_rank, prune, touch
 from videodit.errors import UserError, os_error_message
+from videodit.user_files import NotRegularFile, check_regular_file, open_user_file
 
 REQUIRED_COLUMNS = ("path", "text", "num_frames", "height", "width", "aspect_ratio", "fps")
 _POSITIVE_INT = ("num_frames", "height", "width")
@@ -140,42 +141,6 @@ def _unpickle(state: tuple, report: ReadReport | None) -> Metadata:
     return meta
 
 
-class Column(Sequence):
-    """One column as a read-only sequence; a Python value is made only when one is asked for."""
-
-    def __init__(self, column: pa.ChunkedArray, convert: Callable | None = None):
-        self._chunks = [chunk for chunk in column.chunks if len(chunk)]
-        self._starts = np.cumsum([0] + [len(chunk) for chunk in self._chunks])
-        self._convert = convert or (lambda value: value)
-
-    def __len__(self) -> int:
-        return int(self._starts[-1])
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        index = operator.index(index)
-        index = index + len(self) if index < 0 else index
-        if not 0 <= index < len(self):
-            raise IndexError(f"row {index} outside 0..{len(self) - 1}")
-        k = int(np.searchsorted(self._starts, index, side="right")) - 1
-        return self._convert(self._chunks[k][index - int(self._starts[k])].as_py())
-
-    def __iter__(self):
-        for chunk in self._chunks:
-            yield from map(self._convert, chunk.to_pylist())
-
-    def __eq__(self, other):
-        if not isinstance(other, (list, tuple, Column)):
-            return NotImplemented
-        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        return f"Column({self[:3]}{' ...' if len(self) > 3 else ''}, {len(self)} values)"
-
-
 # ---------------------------------------------------------------------------- reading
 
 
@@ -239,13 +204,14 @@ class Source:
 
     def __init__(self, path: Path, option: str = "data.csv"):
         self.path, self.parquet = path, path.suffix.lower() in PARQUET_SUFFIXES
-        if not path.is_file():
+        if not path.exists():
             kind = "file" if self.parquet else "CSV"
             raise UserError(f"metadata {kind} {str(path)!r} does not exist; set {option} to an existing file")
-        try:
-            open(path, "rb").close()
+        try:   # a FIFO, socket, device or folder is refused here, never waited on
+            open_user_file(path).close()
         except OSError as exc:
-            raise UserError(f"metadata file {path}: {os_error_message(exc)}") from None
+            where = option if isinstance(exc, NotRegularFile) else f"metadata file {path}"
+            raise UserError(f"{where}: {os_error_message(exc)}") from None
         self.size, self.unit = path.stat().st_size, "row" if self.parquet else "line"
         self.schema = self._parquet_schema() if self.parquet else self._csv_schema()
         names = self.schema.names
@@ -257,6 +223,21 @@ class Source:
         if twice:
             raise UserError(f"{path} has column(s) {', '.join(twice)} more than once; rename or drop the copies")
         self.index = {name: names.index(name) for name in names}
+        if self.parquet:
+            self._check_parquet_types()
+
+    def _check_parquet_types(self) -> None:
+        """A Parquet column has one type for all its rows: numbers stored as text (or bool, dates)
+        are refused whole, in one line, as a CSV missing a column is, not parsed value by value
+        ('1e1', ' 16'); stored numbers get the CSV's per-value checks (bad rows, per bad_rows)."""
+        for name in ("path", "text", *_NUMERIC):
+            kind = self.schema.field(name).type
+            held, want = _kind(kind), "numbers" if name in _NUMERIC else "text"
+            if held != want and not (name == "text" and pa.types.is_null(kind)):
+                fix = (f"write it as {'int64' if name in _POSITIVE_INT else 'float64'} (videodit data convert writes a "
+                       "CSV as such Parquet), or give the metadata as CSV") if want == "numbers" else \
+                    f"store the {'paths' if name == 'path' else 'captions'} as text"
+                raise UserError(f"{self.path}: column {name} holds {held}, not {want}; {fix}")
 
     def chunks(self, progress: bool = False) -> Iterator[Chunk]:
         total = self._rows if self.parquet else self.size
@@ -277,6 +258,7 @@ class Source:
 
     def _csv_schema(self) -> pa.Schema:
         try:
+            check_regular_file(self.path)   # pyarrow opens by path: never a FIFO it would block on
             reader = pcsv.open_csv(str(self.path), read_options=pcsv.ReadOptions(use_threads=False),
                                    parse_options=pcsv.ParseOptions(newlines_in_values=True,
                                                                    invalid_row_handler=lambda row: "skip"))
@@ -289,7 +271,7 @@ class Source:
 
     def _csv_batches(self):
         invalid: deque = deque()   # rows whose field count is off: (CSV line, text), checked one by one
-        stream = pa.OSFile(str(self.path))
+        stream = pa.OSFile(str(check_regular_file(self.path)))
         try:
             reader = pcsv.open_csv(
                 stream, read_options=pcsv.ReadOptions(use_threads=False, block_size=BLOCK_BYTES),
@@ -338,7 +320,8 @@ class Source:
 
     def _parquet_schema(self) -> pa.Schema:
         try:
-            self._rows, schema = pq.ParquetFile(self.path).metadata.num_rows, pq.read_schema(self.path)
+            parquet = pq.ParquetFile(check_regular_file(self.path))
+            self._rows, schema = parquet.metadata.num_rows, parquet.schema_arrow
         except (pa.ArrowException, OSError) as exc:
             raise self._error(exc) from None
         return pa.schema([pa.field(f.name, f.type.value_type if pa.types.is_dictionary(f.type) else f.type)
@@ -347,7 +330,7 @@ class Source:
     def _parquet_batches(self):
         row = 1
         try:
-            for batch in pq.ParquetFile(self.path).iter_batches(batch_size=1 << 16):
+            for batch in pq.ParquetFile(check_regular_file(self.path)).iter_batches(batch_size=1 << 16):
                 batch = batch if batch.schema == self.schema else batch.cast(self.schema)
                 row += batch.num_rows
                 yield batch, np.arange(row - batch.num_rows, row, dtype=np.int64), [], row - 1
@@ -401,6 +384,13 @@ def _row_problem(row: dict) -> str | None:
     return None
 
 
+def _kind(kind: pa.DataType) -> str:
+    """What a column holds: "text", "numbers" or its type's name."""
+    t = pa.types
+    return "text" if t.is_string(kind) or t.is_large_string(kind) else "numbers" if (
+        t.is_integer(kind) or t.is_floating(kind) or t.is_decimal(kind)) else str(kind)
+
+
 def _float(value) -> float | None:
     try:
         return float(value)
@@ -434,9 +424,7 @@ def _check(source: Source, batch: pa.RecordBatch, lines: np.ndarray, bad: list) 
         first[mask & (first < 0)] = len(problems)
         problems.append(problem)
 
-    path = batch.column(source.index["path"])
-    if not (pa.types.is_string(path.type) or pa.types.is_large_string(path.type)):
-        raise UserError(f"{source.path}: column path holds {path.type}, not text; store the paths as text")
+    path = batch.column(source.index["path"])   # text: a CSV's always, a Parquet file's checked at open
     lengths, lead = _lead_bytes(path)   # only a path that starts with a space (or non-ASCII) can be blank
     maybe = np.flatnonzero((lengths == 0) | ((lead >= 9) & (lead <= 13)) | ((lead >= 0x1c) & (lead <= 0x20))
                            | (lead >= 0x80))
@@ -469,7 +457,7 @@ def _check(source: Source, batch: pa.RecordBatch, lines: np.ndarray, bad: list) 
 def _first_bad_utf8(path: Path) -> int | None:
     """Byte offset of the first byte that is not UTF-8 (for the error message only)."""
     decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
-    with open(path, "rb") as handle:
+    with open_user_file(path) as handle:
         while True:
             block, pending = handle.read(1 << 24), len(decoder.getstate()[0])
             try:

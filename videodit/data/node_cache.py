@@ -26,6 +26,8 @@ from typing import Callable
 
 import numpy as np
 
+from videodit.user_files import open_user_file
+
 WAIT_FOR_FIRST_RANK_S = 60.0
 
 
@@ -57,7 +59,7 @@ def entry_key(path: Path, version: str, sample: int = 1 << 16, blocks: int = 64)
     _settle(stat.st_ctime_ns)
     digest = hashlib.sha256(f"{version}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ino}\0"
                             f"{stat.st_ctime_ns}\0".encode())
-    with open(path, "rb") as handle:
+    with open_user_file(path) as handle:   # a FIFO put in its place is refused, never blocked on
         if stat.st_size <= sample * blocks:
             digest.update(handle.read())
         for offset in np.linspace(0, stat.st_size - sample, blocks if stat.st_size > sample * blocks else 0):

@@ -39,6 +39,14 @@ def scale_numerator(cfg: LoraConfig) -> float:
     return float(cfg.rank if cfg.alpha is None else cfg.alpha)
 
 
+def check_alpha(cfg: LoraConfig) -> None:
+    """Refuse ``lora.alpha`` 0: every adapter's output would be scaled by 0, a run that trains and
+    changes nothing. (The config loader refuses negative values; its bounds include 0.)"""
+    if cfg.alpha is not None and not cfg.alpha > 0:
+        raise UserError(f"lora.alpha={cfg.alpha!r} must be > 0 (adapter outputs are scaled by alpha/rank, so 0 trains "
+                        "adapters that change nothing); leave it unset for alpha = rank")
+
+
 def _block_names(model: nn.Module) -> list[str]:
     blocks = {id(block) for block in getattr(model, "blocks", [])}
     return [name for name, module in model.named_modules() if id(module) in blocks]
@@ -86,10 +94,27 @@ def target_paths(model: nn.Module, targets: list[str]) -> list[str]:
 
 
 def target_shapes(model: nn.Module, cfg: LoraConfig) -> dict[str, tuple[int, int]]:
-    """``{path: (in_features, out_features)}`` of every adapted layer (works on a meta model)."""
+    """``{path: (in_features, out_features)}`` of every adapted layer (works on a meta model);
+    a ``cfg.rank`` above the narrowest one's smaller side, or alpha 0, is a one-line UserError."""
+    check_alpha(cfg)
     modules = dict(model.named_modules())
-    return {path: (modules[path].in_features, modules[path].out_features)
-            for path in target_paths(model, cfg.targets)}
+    shapes = {path: (modules[path].in_features, modules[path].out_features)
+              for path in target_paths(model, cfg.targets)}
+    check_rank(cfg.rank, shapes)
+    return shapes
+
+
+def check_rank(rank: int, shapes: dict[str, tuple[int, int]]) -> None:
+    """Refuse a rank above the smaller side (in or out features) of an adapted layer: its
+    adapter's A [rank, in] and B [out, rank] would hold more than a full update of the layer
+    (rank 1e9 would ask for terabytes) and could learn nothing more."""
+    if not shapes:
+        return
+    path, (fan_in, fan_out) = min(shapes.items(), key=lambda item: min(item[1]))
+    if rank > min(fan_in, fan_out):
+        raise UserError(f"lora.rank={rank} is more than {path} can take (in {fan_in}, out {fan_out} features; "
+                        f"the narrowest adapted layer): give lora.rank <= {min(fan_in, fan_out)}, or leave that "
+                        "layer out of lora.targets")
 
 
 def adapter_parameter_count(model: nn.Module, cfg: LoraConfig) -> int:
@@ -102,7 +127,7 @@ def add_adapters(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     ``model``. The adapters are created on each base layer's device, in fp32."""
     if cfg.rank < 1:
         raise ValueError("add_adapters needs lora.rank >= 1")
-    paths = target_paths(model, cfg.targets)
+    paths = list(target_shapes(model, cfg))   # checks the rank against the layers before peft allocates
     from peft import LoraConfig as PeftLoraConfig
     from peft import inject_adapter_in_model
 

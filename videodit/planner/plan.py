@@ -278,8 +278,8 @@ def frozen_encoder_bytes(cfg: Config) -> int:
         target = Path(path) / sub if path and sub else Path(path) if path else None
         if target is not None and target.is_dir():
             total += sum(_weight_bytes(f, _DTYPE_BYTES[dtype]) for f in target.rglob("*")
-                         if f.suffix in _WEIGHT_SUFFIXES)
-        elif target is not None and target.is_file() and target.suffix in _WEIGHT_SUFFIXES:
+                         if f.suffix in _WEIGHT_SUFFIXES and not f.is_dir())
+        elif target is not None and target.exists() and target.suffix in _WEIGHT_SUFFIXES:   # a FIFO: refused
             total += _weight_bytes(target, _DTYPE_BYTES[dtype])   # e.g. vae.path=Wan2.1_VAE.pth
     return total
 
@@ -289,19 +289,29 @@ def _weight_bytes(file, element_bytes: int) -> int:
     JSON header of a safetensors file (read as text, never executed), else the file's size."""
     import json
     import math
+    import os
 
-    if file.suffix == ".safetensors":
-        try:
-            with open(file, "rb") as handle:
+    from videodit.errors import os_error_message
+    from videodit.user_files import NotRegularFile, open_user_file
+
+    try:
+        handle = open_user_file(file)   # a FIFO would block the read forever
+    except NotRegularFile as exc:
+        raise UserError(f"encoder weights: {os_error_message(exc)}") from None
+    except OSError:
+        return file.stat().st_size   # unreadable here: its size is the best guess
+    with handle:
+        if file.suffix == ".safetensors":
+            try:
                 size = int.from_bytes(handle.read(8), "little")
                 if size > 100 * 2**20:   # safetensors caps headers at 100 MB: not one
                     raise ValueError(size)
                 header = json.loads(handle.read(size))
-            return element_bytes * sum(math.prod(entry["shape"]) for name, entry in header.items()
-                                       if name != "__metadata__")
-        except (OSError, ValueError, KeyError, TypeError):
-            pass   # not a readable safetensors file: its size is the best guess
-    return file.stat().st_size
+                return element_bytes * sum(math.prod(entry["shape"]) for name, entry in header.items()
+                                           if name != "__metadata__")
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                pass   # not a readable safetensors file: its size is the best guess
+        return os.fstat(handle.fileno()).st_size
 
 
 def planner_from_config(cfg: Config, gpu_bytes: int, *, world_size: int | None = None, margin: float = 0.1,

@@ -27,6 +27,7 @@ class RunFolder:
         self.path = Path(path)
         self.lock_path = self.path / LOCK_NAME
         self._locked = False
+        self._made = False   # lock() made the folder: unlock() removes it again while it is empty
 
     def is_run(self) -> bool:
         return any((self.path / name).exists() for name in RUN_MARKERS)
@@ -47,6 +48,7 @@ class RunFolder:
 
     def lock(self) -> None:
         """Take the folder for this process, or refuse if a live run holds it."""
+        self._made = not self.path.exists()
         self.path.mkdir(parents=True, exist_ok=True)
         record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         for _ in range(2):
@@ -78,9 +80,17 @@ class RunFolder:
                 f"for it to finish or pass --out NEW_DIR (remove {self.lock_path} if that run is gone)")
 
     def unlock(self) -> None:
+        """Release the folder; one that lock() made and nothing was written into (a refused
+        resume) is removed, so a refusal leaves no trace."""
         if self._locked:
             self.lock_path.unlink(missing_ok=True)
             self._locked = False
+            if self._made:
+                try:
+                    self.path.rmdir()   # only while empty
+                except OSError:
+                    pass
+                self._made = False
 
     def write_start(self, config_yaml: str, info: dict) -> None:
         """The run's config and run info, each replaced whole (never half-written)."""

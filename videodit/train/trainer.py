@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from videodit.checkpoint import CheckpointManager, LoadedCheckpoint, checkpoint_name, list_checkpoints
-from videodit.checkpoint.lora import lora_model, run_base
+from videodit.checkpoint.lora import check_base, lora_model, run_base
 from videodit.components import build_encoders, build_model
 from videodit.config import Config, to_yaml
 from videodit.data.dataset import BadFileGuard, Batch
@@ -436,7 +436,12 @@ class Trainer:
         source = self.ctx.on_main(self._checked_start)
         if source is not None:
             ckpt = LoadedCheckpoint(source)
-            self.state.load(ckpt, self.cfg.data.on_change)
+            try:
+                self.state.load(ckpt, self.cfg.data.on_change)
+            except BaseException:   # a refused resume leaves the folder as it found it
+                if self.is_main:
+                    self.folder.unlock()
+                raise
         if self.is_main:
             self.folder.write_start(to_yaml(self.cfg), run_info(self.num_params))
             self.checkpoints.cleanup_staging()
@@ -454,7 +459,10 @@ class Trainer:
         self.folder.check(resuming=self.cfg.resume is not None, has_checkpoints=has_checkpoints)
         source = self._resume_source()
         if source is not None:
-            check_config_change(LoadedCheckpoint(source).config_yaml(), self.cfg)
+            loaded = LoadedCheckpoint(source)
+            check_config_change(loaded.config_yaml(), self.cfg)
+            if self.state.lora_base is not None:   # the adapters' base must not have changed (again in load)
+                check_base(loaded.json_state().get("lora_base") or {}, self.state.lora_base["path"])
         self.folder.lock()
         return source
 

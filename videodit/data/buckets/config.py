@@ -23,8 +23,14 @@ from typing import Any, Mapping
 
 from videodit.config.load import parse_yaml
 from videodit.config import DataConfig
+from videodit.config.schema import MAX_BATCH_SIZE
 from videodit.data.buckets.tables import RESOLUTION_NAMES, RESOLUTION_PIXELS
-from videodit.errors import UserError
+from videodit.errors import UserError, os_error_message
+from videodit.user_files import FileTooLarge, NotRegularFile, read_user_text
+
+# A bucket config file is a few KB (Open-Sora's stage configs: ~3 KB); parsing (ast, YAML) takes
+# many times a file's size in memory, so a larger one is refused before it is read.
+MAX_CONFIG_BYTES = 16 << 20
 
 _ENTRY_HINT = "write (keep_prob, batch_size), ((p_keep, p_frames), batch_size) or (0.0, None)"
 
@@ -67,6 +73,8 @@ class BucketConfig:
 
 def short_repr(value: Any, limit: int = 60) -> str:
     """repr for error messages, cut so a large config cannot flood the one-line error."""
+    if is_int(value) and abs(value).bit_length() > 200:   # repr of a huge int is slow, or refused (4300 digits)
+        return f"<an integer of about {int(abs(value).bit_length() * 0.30103) + 1} digits>"
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -114,6 +122,10 @@ def _parse_keep(where: str, value: Any) -> tuple[float, float]:
 
 
 def _parse_batch_size(where: str, value: Any, keep: float, raw_keep: Any) -> int | None:
+    if is_int(value) and value > MAX_BATCH_SIZE:
+        raise UserError(f"{where} batch size {short_repr(value)} is more than the {MAX_BATCH_SIZE:,} samples a bucket "
+                        f"batch may hold (per GPU); give at most {MAX_BATCH_SIZE:,} (videodit plan shows the largest "
+                        "batch that fits a GPU)")
     if keep == 0.0 and (value is None or (is_int(value) and value >= 0)):
         return None if not value else int(value)
     if is_int(value) and value >= 1:
@@ -194,10 +206,14 @@ def load_opensora_bucket_config(path: str | Path) -> dict:
     """Read ``bucket_config = {...}`` from an Open-Sora Python config without running it."""
     path = Path(path)
     try:
-        source = path.read_text(encoding="utf-8")
+        source = read_user_text(path, max_bytes=MAX_CONFIG_BYTES)
+    except (NotRegularFile, FileTooLarge) as exc:
+        raise UserError(f"Open-Sora config {os_error_message(exc)}") from None
     except OSError as exc:
         raise UserError(f"cannot read Open-Sora config {path}: {exc.strerror or exc}; "
                         "check the path") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"Open-Sora config {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     try:
         tree = ast.parse(source, filename=str(path))
     except SyntaxError as exc:
@@ -226,11 +242,17 @@ def resolve_bucket_config(data: DataConfig) -> dict | None:
     if data.bucket_config_file is None:
         return None
     path = Path(data.bucket_config_file)
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"data.bucket_config_file {str(path)!r} does not exist")
     if path.suffix == ".py":
         return load_opensora_bucket_config(path)
-    loaded = parse_yaml(path.read_text(), str(path))   # aliases bounded: a shared file may be crafted
+    try:
+        text = read_user_text(path, max_bytes=MAX_CONFIG_BYTES)
+    except OSError as exc:
+        raise UserError(f"data.bucket_config_file: {os_error_message(exc)}") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"data.bucket_config_file {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    loaded = parse_yaml(text, str(path))   # aliases bounded: a shared file may be crafted
     if isinstance(loaded, dict) and "bucket_config" in loaded:
         loaded = loaded["bucket_config"]
     if not isinstance(loaded, dict):
