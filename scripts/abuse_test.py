@@ -19,6 +19,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +40,7 @@ class Case:
     cwd: Path | None = None
     check: object = None                     # an extra check: a function returning (ok, note)
     timeout: float = 180
+    says: str | None = None                  # text the output must hold (a skipped file named, ...)
 
 
 def digest(paths: list[Path]) -> str:
@@ -52,18 +55,35 @@ def digest(paths: list[Path]) -> str:
 
 
 def videodit(*args: str, cwd: Path | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run the CLI; the result's ``peak_mib`` is the process's peak resident memory (wait4's rusage)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run([sys.executable, "-m", "videodit", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=timeout)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen([sys.executable, "-m", "videodit", *args], stdout=out, stderr=err, cwd=cwd, env=env)
+        deadline = time.monotonic() + timeout
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                proc.kill()
+                os.wait4(proc.pid, 0)
+                raise subprocess.TimeoutExpired(proc.args, timeout)
+            time.sleep(0.05)
+        out.seek(0)
+        err.seek(0)
+        result = subprocess.CompletedProcess(proc.args, os.waitstatus_to_exitcode(status),
+                                             out.read().decode(errors="replace"), err.read().decode(errors="replace"))
+    result.peak_mib = usage.ru_maxrss / 1024   # KiB on Linux
+    return result
 
 
 def run_case(case: Case) -> dict:
     before = digest(case.watch)
     try:
         result = videodit(*case.args, cwd=case.cwd, timeout=case.timeout)
-        code, out = result.returncode, (result.stderr + "\n" + result.stdout)
+        code, out, peak = result.returncode, (result.stderr + "\n" + result.stdout), result.peak_mib
     except subprocess.TimeoutExpired:
-        code, out = "timeout", ""
+        code, out, peak = "timeout", "", float("nan")
     lines = [line for line in out.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith(("error", "note:"))] or \
         [line for line in lines if "rror" in line]
@@ -73,9 +93,11 @@ def run_case(case: Case) -> dict:
     ok, note = (True, "")
     if case.check is not None:
         ok, note = case.check()
+    if case.says is not None and case.says not in out:
+        ok, note = False, f"does not say {case.says!r}"
     held = code == case.expect and intact and clean and ok
     return {"case": case.name, "exit": code, "first line": first, "intact": intact, "no traceback": clean,
-            "held": held, "note": note}
+            "held": held, "note": note, "peak MiB": peak}
 
 
 def build_cases(tmp: Path) -> list[Case]:
@@ -229,6 +251,7 @@ def build_cases(tmp: Path) -> list[Case]:
                             "the step's checkpoint was saved")))
     # --- round 3 (#22, #28): crafted descriptions, released weights, plans
     add_round_three(add, tmp)
+    add_round_three_files(add, tmp, toy, run, tiny)
     cases.append(Case("(cleanup)", ["config", "keys"], expect=0, check=lambda: (sleeper.kill() or True, "")))
     return cases
 
@@ -253,6 +276,137 @@ def add_round_three(add, tmp: Path) -> None:
         (crafted / "config.json").write_text(json.dumps({**config, key: 10**6}))
         add(Case(f"ckpt import: {family} config.json with {key}=10**6",
                  ["ckpt", "import", str(crafted), str(tmp / f"{family}-imported")], watch=[crafted], timeout=60))
+
+
+def png_header(path: Path, width: int, height: int) -> Path:
+    """A PNG whose header says ``width`` x ``height`` (its pixels are a few bytes): a decompression
+    bomb to any reader that trusts the header."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
+    header = width.to_bytes(4, "big") + height.to_bytes(4, "big") + bytes([8, 2, 0, 0, 0])
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+                     + chunk(b"IEND", b""))
+    return path
+
+
+def add_round_three_files(add, tmp: Path, toy: Path, run: Path, tiny) -> None:
+    """Round 3 (#28): files that are not files, files that ask for too much, caches damaged or
+    shared, and refusals that must leave nothing behind."""
+    fifo = tmp / "fifo"
+    os.mkfifo(fifo)
+    for name, args in (("config", ["config", "show", str(fifo)]),
+                       ("data.csv", tiny(tmp / "fifo-run", f"data.csv={fifo}")),
+                       ("--prompts", ["sample", "--ckpt", str(run), "--prompts", str(fifo)]),
+                       ("bucket_config_file", ["config", "show", "tiny", f"data.bucket_config_file={fifo}"]),
+                       ("--ref", ["sample", "--ckpt", str(run), "--prompt", "x", "--ref", str(fifo),
+                                  "--out", str(tmp / "ref.mp4")])):
+        add(Case(f"FIFO as {name}", args, timeout=60, says="not a regular file but a FIFO",
+                 check=lambda: (not (tmp / "fifo-run").exists(), "no run folder")))
+    fixtures = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+    released = tmp / "wan-fifo"
+    shutil.copytree(fixtures / "wan" / "wan", released)
+    (released / "diffusion_pytorch_model.safetensors").unlink()
+    os.mkfifo(released / "diffusion_pytorch_model.safetensors")
+    add(Case("FIFO as released weights (ckpt import)", ["ckpt", "import", str(released), str(tmp / "fifo-import")],
+             timeout=60, says="not a regular file but a FIFO"))
+    add(Case("/dev/zero as data.csv", tiny(tmp / "zero-run", "data.csv=/dev/zero"), timeout=60,
+             says="not a regular file but a character device"))
+
+    # descriptions that ask for too much
+    rows = (toy / "train.csv").read_text().splitlines()
+    huge_csv = tmp / "huge-declared.csv"   # one row claims 16000x16000 frames: skipped, named, nothing decoded
+    cells = rows[1].split(",")
+    header = rows[0].split(",")
+    cells[header.index("height")], cells[header.index("width")] = "16000", "16000"
+    huge_csv.write_text("\n".join([rows[0], ",".join(cells), *rows[2:13]]) + "\n")   # 12 clips: one epoch
+    add(Case("a clip declared 16000x16000 in the CSV (skipped)", tiny(tmp / "huge-run", f"data.csv={huge_csv}",
+                                                                    "train.max_steps=3", "data.max_bad_fraction=0.5"),
+             expect=0, says="data.max_pixels"))
+    bomb = png_header(tmp / "bomb.png", 12000, 12000)
+    add(Case("--ref: a 12000x12000 image", ["sample", "--ckpt", str(run), "--prompt", "x", "--ref", str(bomb),
+                                            "--out", str(tmp / "bomb.mp4")], timeout=60, says="data.max_pixels"))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    strings = tmp / "strings.parquet"
+    pq.write_table(pa.table({"path": ["a.mp4"], "text": ["a"], "num_frames": ["16"], "height": [32], "width": [32],
+                             "aspect_ratio": [1.0], "fps": [8.0]}), strings)
+    add(Case("Parquet num_frames of strings", ["buckets", str(strings), "--config", "tiny"], timeout=60))
+    add(Case("bucket batch size 10**30", ["config", "show", "tiny",
+                                          "data.bucket_config={'144p': {1: [1.0, " + str(10**30) + "]}}"], timeout=60))
+    add(Case("train.batch_size=10**30", tiny(tmp / "batch-run", f"train.batch_size={10**30}"), timeout=60,
+             check=lambda: (not (tmp / "batch-run").exists(), "no run folder")))
+    add(Case("lora.rank=1e9", ["config", "show", "tiny", "lora.rank=1000000000"], timeout=60))
+    add(Case("lora.alpha=0", ["config", "show", "tiny", "lora.rank=4", "lora.alpha=0"], timeout=60))
+
+    # the feature cache
+    cache = tmp / "cache"
+    built = videodit("cache", "build", "tiny", f"data.csv={toy / 'train.csv'}", *TINY, "--out", str(cache),
+                     "--shard-size", "16")
+    assert built.returncode == 0, built.stderr[-2000:]
+
+    def cache_copy(name: str) -> Path:
+        shutil.copytree(cache, tmp / name)
+        return tmp / name
+
+    def train_on(folder: Path, name: str) -> list[str]:
+        return tiny(tmp / name, f"data.cache={folder}", "train.max_steps=3")
+
+    flipped = cache_copy("cache-flipped")
+    shard = sorted((flipped / "shards").glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    add(Case("cache: a flipped byte in a shard (train)", train_on(flipped, "run-flipped"), watch=[flipped],
+             says="is damaged"))
+    add(Case("cache: a flipped byte in a shard (cache info)", ["cache", "info", str(flipped)], expect=1,
+             watch=[flipped], says="DAMAGED"))
+    swapped = cache_copy("cache-swapped")
+    first, second = sorted((swapped / "shards").glob("*.safetensors"))[:2]
+    a, b = first.read_bytes(), second.read_bytes()
+    first.write_bytes(b)
+    second.write_bytes(a)
+    add(Case("cache: two shards swapped", train_on(swapped, "run-swapped"), watch=[swapped], says="is damaged"))
+    fifo_shard = cache_copy("cache-fifo")
+    victim = sorted((fifo_shard / "shards").glob("*.safetensors"))[0]
+    victim.unlink()
+    os.mkfifo(victim)
+    add(Case("cache: a FIFO in place of a shard", train_on(fifo_shard, "run-fifo-shard"), timeout=60,
+             says="not a regular file"))
+    not_parquet = cache_copy("cache-not-parquet")
+    (not_parquet / "index.parquet").write_text("not parquet\n")
+    add(Case("cache: index.parquet is not Parquet (cache info)", ["cache", "info", str(not_parquet)],
+             watch=[not_parquet]))
+    deep = cache_copy("cache-deep-manifest")
+    (deep / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    add(Case("cache: manifest nested 100,000 deep", ["cache", "info", str(deep)], watch=[deep]))
+    busy = cache_copy("cache-busy")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    import socket
+    (busy / ".lock").write_text(json.dumps({"pid": sleeper.pid, "host": socket.gethostname(), "started": "-"}))
+    add(Case("cache: a second build into one being built", ["cache", "build", "tiny", f"data.csv={toy / 'train.csv'}",
+                                                             *TINY, "--out", str(busy), "--shard-size", "16"],
+             watch=[busy], check=lambda: (sleeper.kill() or True, "")))
+
+    # a LoRA base changed in the middle, its mtime restored: resume, sample and merge refuse, write nothing
+    base_run, base = tmp / "lora-base-run", tmp / "lora-base"
+    for step in (videodit(*tiny(base_run, "train.max_steps=1")), videodit("ckpt", "export", str(base_run), str(base)),
+                 videodit(*tiny(tmp / "lora-run", f"model.init_from={base}", "lora.rank=4", "train.max_steps=1",
+                                "checkpoint.every_steps=1"))):
+        assert step.returncode == 0, step.stderr[-2000:]
+    weights = base / "model.safetensors"
+    stat = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    lora_run = tmp / "lora-run"
+    add(Case("LoRA base edited in the middle: resume", tiny(lora_run, f"model.init_from={base}", "lora.rank=4",
+                                                          "train.max_steps=2", "resume=auto"),
+             watch=[lora_run], says="its weight files differ",
+             check=lambda: (not (lora_run / ".lock").exists(), "no .lock left")))
+    add(Case("LoRA base edited in the middle: export --merge-lora",
+             ["ckpt", "export", str(lora_run), str(tmp / "merged"), "--merge-lora"], watch=[lora_run],
+             check=lambda: (not (tmp / "merged").exists(), "nothing exported")))
 
 
 def readonly_folder(tmp: Path) -> Path:
@@ -291,7 +445,8 @@ def main() -> int:
                 continue
             mark = "held" if row["held"] else "NOT HELD"
             print(f"{mark:8} | {row['case']:<42} | exit {row['exit']!s:<7} | intact {str(row['intact']).lower():<5} | "
-                  f"{row['first line']}{' | ' + row['note'] if row['note'] else ''}", flush=True)
+                  f"{row['peak MiB']:5.0f} MiB | {row['first line']}{' | ' + row['note'] if row['note'] else ''}",
+                  flush=True)
     finally:
         subprocess.run(["umount", str(tmp / "readonly")], capture_output=True)
         if not args.keep:
