@@ -117,6 +117,11 @@ def test_model_info_counts_each_preset(capsys):
     rows = {line.split()[0]: int(line.split()[-1].replace(",", "")) for line in capsys.readouterr().out.splitlines()[1:]}
     assert rows["tiny"] < rows["S"] < rows["B"] < rows["XL"]
     assert rows["XL"] == rows["opensora-v1.2"] == 1_208_854_288
+    # Wan's releases, counted by their own code (the model study's meta-device counts)
+    assert rows["wan2.1-t2v-14b"] == rows["wan2.2-t2v-a14b"] == 14_288_491_584   # one A14B expert
+    assert rows["wan2.1-i2v-14b"] == 16_394_878_784      # 36 channels in, CLIP's img_emb, k_img/v_img
+    assert rows["wan2.2-i2v-a14b"] == 14_288_901_184     # 36 channels in, no CLIP
+    assert rows["wan2.2-ti2v-5b"] == 4_999_787_712       # on the 48-channel VAE
 
 
 def test_absolute_frame_embedding_breaks_the_symmetry_between_identical_frames():

@@ -81,7 +81,11 @@ def test_planner_matches_measurement_with_sequence_parallel(checkpointing, toy_d
 
 
 # Family x checkpointing: the activation table comes from the family (models/<family>/activations.py).
-FAMILY_ACTIVATIONS = {"wan": ("wan-tiny", (2, 8, 32, 32), 0.05)}
+# wan-ti2v: TI2V's image frame given (every sample, here), so the time embedding and the modulation
+# are per token.
+FAMILY_ACTIVATIONS = {"wan": ("wan-tiny", (2, 8, 32, 32), 0.05, {}),
+                      "wan-ti2v": ("wan-tiny", (2, 8, 32, 32), 0.05,
+                                   {"model.task": "ti2v", "diffusion.mask_ratios": "{'image_head': 1.0}"})}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -90,9 +94,9 @@ FAMILY_ACTIVATIONS = {"wan": ("wan-tiny", (2, 8, 32, 32), 0.05)}
 def test_family_activations_match_measurement(family, checkpointing, precision, toy_dir, tmp_path):
     # Wan keeps its residual stream, modulation, norms and gate products in fp32 under autocast,
     # copies the modulated input per projection and attends text_len caption tokens.
-    preset, (batch, frames, height, width), tolerance = FAMILY_ACTIVATIONS[family]
+    preset, (batch, frames, height, width), tolerance, extra = FAMILY_ACTIVATIONS[family]
     cfg = load_config("tiny", preset_overrides(toy_dir, preset, **{"memory.checkpointing": checkpointing,
-                                                                    "train.precision": precision}))
+                                                                    "train.precision": precision, **extra}))
     trainer = Trainer(cfg, tmp_path / "run")
     measured = measure_trainer(trainer, synthetic_batch(batch, frames, height, width)).activations
     predicted = planner_from_config(cfg, gpu_bytes=1).estimate(batch, frames, height, width).activations

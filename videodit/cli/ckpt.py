@@ -72,7 +72,7 @@ def cmd_model_info(ns) -> int:
     for name, preset in MODEL_PRESETS.items():
         cfg.model = ModelConfig(preset=name).resolved()
         spec = get_spec(cfg.model.family)
-        latent, caption, length = spec.released_encoders   # what the family's released models are built for
+        latent, caption, length = spec.released_encoders_of(cfg.model)   # what the release is built for
         cfg.text.max_length = ns.caption_length or length
         geometry = model_geometry(cfg, ns.latent_channels or latent, ns.caption_channels or caption)
         with torch.device("meta"):   # count without allocating weights

@@ -295,6 +295,11 @@ def _check_consistency(cfg: Config) -> None:
     if m.family != m.preset_family:
         raise UserError(f"model.family={m.family} does not fit model.preset={m.preset} (a {m.preset_family} preset); "
                         f"choose a {m.family} preset or leave model.family unset")
+    if m.family != "wan" and (m.task != "t2v" or m.image_dim is not None):
+        raise UserError(f"model.task={m.task} / model.image_dim belong to the Wan family, not {m.family}; "
+                        "leave them unset or choose a Wan preset")
+    if m.image_dim is not None and m.task != "i2v":
+        raise UserError(f"model.image_dim (CLIP features) needs model.task=i2v, not {m.task}")
     if m.family == "wan" and m.ffn_dim is None:
         raise UserError("model.ffn_dim is not set; a Wan preset sets it (wan-tiny, wan2.1-t2v-1.3b, ...)")
     if m.hidden_size % m.num_heads:

@@ -39,10 +39,21 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                             patch_size=[1, 2, 2]),
     "wan2.1-t2v-14b": dict(family="wan", depth=40, hidden_size=5120, num_heads=40, ffn_dim=13824,
                            patch_size=[1, 2, 2]),
+    # Wan 2.1 I2V-14B: the 14B with 36 input channels and CLIP ViT-H/14's features (1280 wide).
+    "wan2.1-i2v-14b": dict(family="wan", depth=40, hidden_size=5120, num_heads=40, ffn_dim=13824,
+                           patch_size=[1, 2, 2], task="i2v", image_dim=1280),
+    # Wan 2.2 (wan/configs/wan_*.py at 42bf4cf): TI2V-5B on its 48-channel VAE; each A14B expert is
+    # a 14B (T2V: 16 channels in; I2V: 36, no CLIP), trained one per run on its timestep range.
+    "wan2.2-ti2v-5b": dict(family="wan", depth=30, hidden_size=3072, num_heads=24, ffn_dim=14336,
+                           patch_size=[1, 2, 2], task="ti2v"),
+    "wan2.2-t2v-a14b": dict(family="wan", depth=40, hidden_size=5120, num_heads=40, ffn_dim=13824,
+                            patch_size=[1, 2, 2]),
+    "wan2.2-i2v-a14b": dict(family="wan", depth=40, hidden_size=5120, num_heads=40, ffn_dim=13824,
+                            patch_size=[1, 2, 2], task="i2v"),
 }
 # The model options a preset may set, where it does not: videodit's own behaviour.
 MODEL_OPTION_DEFAULTS: dict[str, Any] = dict(family="stdit", position_embedding="videodit", null_caption_mask="full",
-                                             bf16_timesteps=False, freeze_null_caption=False)
+                                             bf16_timesteps=False, freeze_null_caption=False, task="t2v")
 
 
 # The most samples one batch may hold per GPU (train.batch_size, a bucket_config batch size). The
@@ -60,8 +71,9 @@ MAX_LORA_RANK = 1 << 16
 @dataclass
 class ModelConfig:
     preset: str = opt("tiny", "model geometry preset: tiny, S, B, XL or opensora-v1.2 (XL with Open-Sora 1.2's "
-                      "options, for its weights) of the STDiT family; wan-tiny, wan2.1-t2v-1.3b or wan2.1-t2v-14b "
-                      "of the Wan family; fields set below override it", choices=tuple(MODEL_PRESETS))
+                      "options, for its weights) of the STDiT family; wan-tiny, wan2.1-t2v-1.3b, wan2.1-t2v-14b, "
+                      "wan2.1-i2v-14b, wan2.2-ti2v-5b, wan2.2-t2v-a14b or wan2.2-i2v-a14b (one expert) of the Wan "
+                      "family; fields set below override it", choices=tuple(MODEL_PRESETS))
     family: Optional[str] = opt(None, "model family: stdit (Open-Sora 1.2) or wan (Wan 2.1) (default: the "
                                 "preset's; it must agree with the preset)", choices=("stdit", "wan"))
     depth: Optional[int] = opt(None, "number of spatial+temporal block pairs (default: from preset)", min=1)
@@ -71,6 +83,12 @@ class ModelConfig:
     patch_size: Optional[list[int]] = opt(None, "3D patch (pt, ph, pw) over latents (default: from preset)",
                                           length=3, min=1)
     ffn_dim: Optional[int] = opt(None, "Wan: FFN hidden width (default: from preset)", min=1)
+    task: Optional[str] = opt(None, "Wan: what the model is built for (Wan's model_type): t2v, i2v (36 input "
+                              "channels: latent, a 4-channel mask of the given frames, their latents) or ti2v "
+                              "(Wan 2.2 TI2V-5B: text or image to video, the image frame at time 0) (default: "
+                              "from preset)", choices=("t2v", "i2v", "ti2v"))
+    image_dim: Optional[int] = opt(None, "Wan 2.1 I2V: width of the CLIP image features its img_emb embeds "
+                                   "(1280; default: from preset, none)", min=1)
     qk_norm: bool = opt(True, "RMS-normalise queries and keys in self-attention")
     pos_base_grid: int = opt(16, "patch grid side at which spatial positions span their base range")
     temporal_pos_embed: bool = opt(False, "add an absolute sin/cos frame-index embedding (STDiT3 has only "
@@ -175,10 +193,12 @@ class ToyConfig:
 @dataclass
 class VAEConfig:
     kind: str = opt("identity", "identity (pixels as latents), diffusers (local folder), opensora-v1.2 "
-                    "(Open-Sora 1.2's VAE folder, hpcai-tech/OpenSora-VAE-v1.2) or wan2.1 (Wan 2.1's VAE: a "
-                    "diffusers vae/ folder or Wan2.1_VAE.pth, per-channel normalised)",
-                    choices=("identity", "diffusers", "opensora-v1.2", "wan2.1"))
-    path: Optional[str] = opt(None, "local autoencoder folder or file (vae.kind=diffusers, opensora-v1.2, wan2.1)")
+                    "(Open-Sora 1.2's VAE folder, hpcai-tech/OpenSora-VAE-v1.2), wan2.1 (Wan 2.1's VAE: a "
+                    "diffusers vae/ folder or Wan2.1_VAE.pth, per-channel normalised) or wan2.2 (Wan 2.2 "
+                    "TI2V-5B's VAE: a diffusers vae/ folder or Wan2.2_VAE.pth; 48 channels, 16x space)",
+                    choices=("identity", "diffusers", "opensora-v1.2", "wan2.1", "wan2.2"))
+    path: Optional[str] = opt(None, "local autoencoder folder or file (vae.kind=diffusers, opensora-v1.2, "
+                              "wan2.1, wan2.2)")
     subfolder: Optional[str] = opt(None, "subfolder of vae.path holding the autoencoder")
     scaling_factor: Optional[float] = opt(None, "latent scale (default: the model's own config; not for "
                                           "opensora-v1.2, which uses its checkpoint's shift and scale)")

@@ -156,6 +156,15 @@ class ModelSpec:
         """The latent channels of a state dict of this family (to rebuild a model from a checkpoint)."""
         raise NotImplementedError
 
+    def released_encoders_of(self, model_cfg) -> tuple[int, int, int]:
+        """:attr:`released_encoders` of the release a model config describes (a family's releases
+        may be built on different encoders)."""
+        return self.released_encoders
+
+    def untrainable(self, geometry) -> str | None:
+        """Why a model of this geometry cannot be trained yet (one line naming what to do), or None."""
+        return None
+
     def caption_channels(self, tensors: dict[str, torch.Tensor]) -> int:
         """The text encoder's width a state dict of this family was built for."""
         raise NotImplementedError

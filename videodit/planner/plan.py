@@ -57,6 +57,11 @@ class LatentGeometry:
         return cls(16, 4, 8)
 
     @classmethod
+    def wan22(cls) -> "LatentGeometry":
+        """Wan 2.2's VAE (TI2V-5B): 48 channels, 16x16 pixels (2x2 patches inside), time as 2.1's."""
+        return cls(48, 4, 16)
+
+    @classmethod
     def parse(cls, text: str) -> "LatentGeometry":
         """``opensora-v1.2``, ``wan2.1`` or ``C,FT,FS`` (channels, temporal and spatial compression)."""
         if text in KNOWN_LATENTS:
@@ -72,7 +77,8 @@ class LatentGeometry:
 
 
 # vae.kind (and --latent) -> the geometry of a VAE the planner knows without loading it.
-KNOWN_LATENTS = {"opensora-v1.2": LatentGeometry.opensora_v12, "wan2.1": LatentGeometry.wan21}
+KNOWN_LATENTS = {"opensora-v1.2": LatentGeometry.opensora_v12, "wan2.1": LatentGeometry.wan21,
+                 "wan2.2": LatentGeometry.wan22}
 # text.kind -> caption channels of an encoder the planner knows (its length is text.max_length).
 KNOWN_CAPTIONS = {"umt5": 4096}   # umT5-XXL's d_model (Wan 2.1)
 
@@ -357,7 +363,7 @@ def _cached_geometry(cfg: Config, latent: LatentGeometry | None,
     if not (Path(cfg.data.cache) / MANIFEST).is_file():
         return latent, caption
     manifest = read_manifest(Path(cfg.data.cache))
-    if latent is None and cfg.vae.kind in ("diffusers", "wan2.1"):   # what the cache holds, not the released size
+    if latent is None and cfg.vae.kind in ("diffusers", "wan2.1", "wan2.2"):   # what the cache holds, not the released size
         g = manifest["latent"]
         latent = LatentGeometry(g["channels"], g["temporal_compression"], g["spatial_compression"])
     if caption is None and cfg.text.kind != "toy":

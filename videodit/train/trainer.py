@@ -105,6 +105,8 @@ class Trainer:
             raise UserError(f"diffusion.mask_ratios (Open-Sora 1.2's frame masks) is not supported by the "
                             f"{cfg.model.family} family; remove it")
         model = build_model(cfg, self.vae, self.text)
+        if (why := self.spec.untrainable(model.geometry)) is not None:
+            raise UserError(why)
         lora_base = None
         if cfg.lora.rank:   # the frozen base, recorded by its absolute path (config.yaml) and fingerprint
             lora_base = run_base(cfg)

@@ -81,7 +81,23 @@ OUTSIDE_SAVED: tuple[Saved, ...] = (
           False, True, CAPTION_LAYERS, on="caption", autocast_units=0),
 )
 
+# With a time per token (TI2V, its image frame at time 0) the modulation is a tensor per token.
+PER_TOKEN_BLOCK: tuple[Saved, ...] = (
+    # table + e0, kept whole by the gates' views; 1 + scale adds nothing measurable on top (LiveMemory
+    # through the Trainer, tests/planner/test_planner.py: a separate 2 D overshot by 7%)
+    Saved("per-token modulation table + e0 (fp32)", 6, "D", False, False, False),
+)
+PER_TOKEN_OUTSIDE: tuple[Saved, ...] = (
+    Saved("per-token time embedding: e0 (6 D) and the head's e (fp32), shared by every block", 7, "D", False,
+          False, True),
+    Saved("per-token time MLP: its first linear's output and SiLU, SiLU(e) (fp32)", 3, "D", False, False, True),
+    Saved("per-token time sinusoid (freq_dim = 256 values, fp32)", 256, "1", False, False, True),
+    Saved("per-token head modulation: 1 + scale (fp32)", 1, "D", False, False, True),
+)
+
 # Under sequence parallelism the head's input is the gathered output (counted above); measured on
 # CPU, the rank keeps one more fp32 D-wide tensor of its own slice instead.
 PROFILE = ActivationProfile(block=BLOCK_SAVED, outside=OUTSIDE_SAVED, caption_layers=CAPTION_LAYERS,
                             sp_gathered=0.0, sp_local=1.0)
+PER_TOKEN_PROFILE = ActivationProfile(block=BLOCK_SAVED + PER_TOKEN_BLOCK, outside=OUTSIDE_SAVED + PER_TOKEN_OUTSIDE,
+                                      caption_layers=CAPTION_LAYERS, sp_gathered=0.0, sp_local=1.0)

@@ -19,7 +19,7 @@ from videodit.errors import UserError
 from videodit.models.flop_count import FlopCount
 from videodit.models.spec import ActivationDims, Conditions, ModelSpec, TensorParallelPlan
 from videodit.models.wan import flops, layouts
-from videodit.models.wan.model import WanDiT, WanGeometry, unpatchify
+from videodit.models.wan.model import I2V_MASK_CHANNELS, WanDiT, WanGeometry, unpatchify
 from videodit.models.wan.stage import WanStage, stage_io
 
 MODEL_TYPE = "videodit-wan"
@@ -55,7 +55,7 @@ class WanSpec(ModelSpec):
         from videodit.models.wan.text import load_umt5   # transformers, only when asked
         return load_umt5(path, max_length=max_length or 512, dtype=dtype)
 
-    released_name = "Wan 2.1 (Wan's or diffusers' folder)"
+    released_name = "Wan 2.1 or 2.2 (Wan's or diffusers' folder)"
     released_format = "wan2.1"
     released_short = "Wan"
     released_fix = "use a Wan preset of the same size (model.preset=wan2.1-t2v-1.3b or wan2.1-t2v-14b)"
@@ -67,9 +67,24 @@ class WanSpec(ModelSpec):
     # ------------------------------------------------------------------ build
 
     def geometry(self, m, latent_channels: int, caption_channels: int, caption_length: int) -> WanGeometry:
+        """An i2v model takes the latent, a 4-channel mask and the given frames' latents."""
+        extra = latent_channels + I2V_MASK_CHANNELS if m.task == "i2v" else 0
         return WanGeometry(dim=m.hidden_size, ffn_dim=m.ffn_dim, num_heads=m.num_heads, num_layers=m.depth,
-                           in_channels=latent_channels, out_channels=latent_channels, text_dim=caption_channels,
-                           text_len=caption_length, patch_size=tuple(m.patch_size), qk_norm=m.qk_norm)
+                           in_channels=latent_channels + extra, out_channels=latent_channels,
+                           text_dim=caption_channels, text_len=caption_length, patch_size=tuple(m.patch_size),
+                           qk_norm=m.qk_norm, task=m.task, image_dim=m.image_dim)
+
+    def released_encoders_of(self, m) -> tuple[int, int, int]:
+        """TI2V-5B is built for Wan 2.2's 48-channel VAE; every other release for Wan 2.1's."""
+        return (layouts.WAN22_LATENT_CHANNELS, *self.released_encoders[1:]) if m.task == "ti2v" \
+            else self.released_encoders
+
+    def untrainable(self, geometry: WanGeometry) -> str | None:
+        if geometry.task == "i2v":
+            return ("training Wan's i2v models (the 36-channel input with the given frames' latents and mask, "
+                    "and Wan 2.1's CLIP features) is not built yet; they import, export, plan and sample "
+                    "only as models: train wan2.2-ti2v-5b or a t2v model, or see docs/wan.md")
+        return None
 
     def build(self, geometry: WanGeometry) -> WanDiT:
         return WanDiT(geometry)
@@ -193,5 +208,6 @@ class WanSpec(ModelSpec):
         return ActivationDims(geometry.dim, geometry.num_heads, geometry.ffn_dim, geometry.text_dim)
 
     def activation_profile(self, geometry):
-        from videodit.models.wan.activations import PROFILE
-        return PROFILE
+        """TI2V trains with its image frame at time 0: a time, so a modulation, per token."""
+        from videodit.models.wan.activations import PER_TOKEN_PROFILE, PROFILE
+        return PER_TOKEN_PROFILE if geometry.task == "ti2v" else PROFILE
