@@ -101,3 +101,19 @@ def test_two_experts_route_each_sample_by_its_time(cases):
                  for i, t in enumerate(case["t"].tolist())]
     assert torch.equal(mixed, torch.cat(alone))
     assert not torch.allclose(alone[0], high(case["x"][:1], case["t"][:1], case["context"][:1]))
+
+
+@pytest.mark.parametrize("folders", [("high_noise_model", "low_noise_model"), ("transformer", "transformer_2")])
+def test_a_two_expert_folder_is_refused_whole_and_each_expert_reads(tmp_path, folders):
+    """Wan 2.2 A14B's download or diffusers pipeline: one line naming the experts' folders (never
+    its first expert taken for the model); each expert folder loads on its own."""
+    import shutil
+
+    from videodit.errors import UserError
+
+    for name in folders:
+        shutil.copytree(FIXTURE / "i2v22" / "wan", tmp_path / name)
+    (tmp_path / "model_index.json").write_text("{}")
+    with pytest.raises(UserError, match=f"two experts .*{folders[0]}/ high-noise, {folders[1]}/ low-noise"):
+        load_wan(tmp_path)
+    assert load_wan(tmp_path / folders[1]).geometry.task == "i2v"

@@ -27,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from videodit.errors import UserError, os_error_message
+from videodit.models.wan.experts import expert_folder, is_experts_folder
 from videodit.models.wan.model import I2V_MASK_CHANNELS, MODEL_TYPES, WanDiT, WanGeometry
 from videodit.user_files import NotRegularFile, check_regular_file, read_user_json
 
@@ -239,7 +240,13 @@ def _read_json(file: Path):
 
 
 def _model_folder(path: Path) -> Path:
-    """The folder holding the DiT: ``path`` itself, or a diffusers pipeline's ``transformer/``."""
+    """The folder holding the DiT: ``path`` itself, or a diffusers pipeline's ``transformer/``; a
+    two-expert model (Wan 2.2 A14B) is refused, never read as its first expert alone."""
+    if is_experts_folder(path):
+        high, low = (expert_folder(path, name) for name in ("high", "low"))
+        raise UserError(f"{path} holds Wan 2.2's two experts ({high.name}/ high-noise, {low.name}/ low-noise); "
+                        f"videodit reads one at a time: pass {high} or {low} (recipes wan2.2-t2v-a14b-high-lora "
+                        "and -low-lora train each on its timesteps)")
     if not (path / CONFIG_NAME).exists() and (path / "transformer" / CONFIG_NAME).exists():
         return path / "transformer"
     if (path / "model_index.json").is_file() and (path / "transformer").is_dir():
@@ -248,6 +255,8 @@ def _model_folder(path: Path) -> Path:
 
 
 def is_wan_folder(path: str | Path) -> bool:
+    if is_experts_folder(path):   # read_wan_folder says what to pass instead
+        return True
     folder = _model_folder(Path(path))
     config = folder / CONFIG_NAME
     if not config.exists():
