@@ -48,13 +48,15 @@ import hashlib
 import importlib.util
 import inspect
 import json
-import math
 import subprocess
 import sys
 import types
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_wan_vae_fixtures import randomise  # noqa: E402  (the 2.1 fixtures' random weights)
 
 FRAMES = {1: 1, 5: 2, 9: 1}   # frame count -> clips
 HEIGHT, WIDTH = 32, 48
@@ -102,21 +104,6 @@ def import_wan_vae(checkout: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module, path
-
-
-@torch.no_grad()
-def randomise(model: torch.nn.Module, generator: torch.Generator) -> None:
-    """Every weight random (Wan zero-initialises its attention projections, which would hide a
-    mis-mapped tensor): conv weights ~ N(0, 1/fan_in), RMS-norm gammas ~ 1 + N(0, 0.1^2),
-    biases ~ N(0, 0.1^2)."""
-    for name, p in model.named_parameters():
-        noise = torch.randn(p.shape, generator=generator)
-        if name.endswith("gamma"):
-            p.copy_(1 + 0.1 * noise)
-        elif p.ndim > 1:
-            p.copy_(noise / math.sqrt(p[0].numel()))
-        else:
-            p.copy_(0.1 * noise)
 
 
 def wrapper(wan, weights: Path):
