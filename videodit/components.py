@@ -7,7 +7,7 @@ import torch
 
 from videodit.config import Config
 from videodit.errors import UserError
-from videodit.models.families import get_spec
+from videodit.models.families import get_spec, spec_of
 from videodit.models.families import encoder_kinds, encoder_spec
 from videodit.models.text import load_text_encoder
 from videodit.models.vae import build_vae
@@ -41,6 +41,19 @@ def build_encoders(cfg: Config, device: torch.device):
     text = build_text_encoder(cfg.text.kind, path=cfg.text.path, max_length=cfg.text.max_length,
                               dim=cfg.text.dim, dtype=DTYPES[cfg.text.dtype])
     return vae.to(device), text.to(device)
+
+
+def first_frame_given(model, vae, video: torch.Tensor) -> torch.Tensor | None:
+    """The conditioning channels of a model that takes a given first frame (Wan i2v): ``video``
+    [B, 3, T, H, W] in [-1, 1] with every frame after the first zero (mid-grey), through the VAE,
+    as Wan builds its ``y``; None for other models."""
+    spec = spec_of(model)
+    if not spec.takes_first_frame(model.geometry):
+        return None
+    first = torch.zeros_like(video)
+    first[:, :, 0] = video[:, :, 0]
+    with torch.no_grad():
+        return spec.first_frame_condition(vae.encode(first).float())
 
 
 def model_geometry(cfg: Config, latent_channels: int, caption_channels: int):

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from videodit.components import first_frame_given
 from videodit.data.prompts import prepare_prompts
 from videodit.data.video_write import write_video
 from videodit.diffusion import flow_unipc
@@ -34,6 +35,14 @@ def generate(model, vae, text, flow: RectifiedFlow, prompts: list[str], *, num_f
     generator = torch.Generator().manual_seed(seed)
     t_lat, h_lat, w_lat = vae.latent_size(num_frames, height, width)
     ratio = flow.shift_ratio(height, width, t_lat)
+    spec = spec_of(model)
+    channels = None
+    if spec.takes_first_frame(model.geometry):   # Wan i2v: the reference's first frame enters as channels
+        if reference is None:
+            raise UserError("this model generates from an image (an i2v model): give one with --ref IMAGE")
+        clip = torch.zeros(1, 3, num_frames, height, width, device=device)
+        clip[:, :, 0] = reference[:, 0].to(device)
+        channels, reference = first_frame_given(model, vae, clip), None
     given = None if reference is None else given_latents(model, vae, reference, t_lat, device)
     negative = None if negative_prompt is None else text.encode([negative_prompt])
     for start in range(0, len(prompts), batch_size):
@@ -43,7 +52,8 @@ def generate(model, vae, text, flow: RectifiedFlow, prompts: list[str], *, num_f
         fps_t = torch.full((n,), float(fps), device=device)
         noise = torch.randn((n, vae.latent_channels, t_lat, h_lat, w_lat), generator=generator).to(device)
         latents = denoise(model, flow, noise, y, y_mask, steps=steps, guidance=guidance, ratio=ratio, fps=fps_t,
-                          height=height, width=width, given=given, sampler=sampler, negative=negative)
+                          height=height, width=width, given=given, sampler=sampler, negative=negative,
+                          channels=None if channels is None else channels.expand(n, *channels.shape[1:]))
         video = vae.decode(latents, num_frames)                      # [N, 3, T, H, W] in [-1, 1]
         frames = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
         clips.append(frames.permute(0, 2, 3, 4, 1).cpu().numpy())
@@ -53,17 +63,19 @@ def generate(model, vae, text, flow: RectifiedFlow, prompts: list[str], *, num_f
 def denoise(model, flow: RectifiedFlow, noise: torch.Tensor, y: torch.Tensor, y_mask: torch.Tensor, *, steps: int,
             guidance: float, ratio: float = 1.0, fps: torch.Tensor | None = None, height=None,
             width=None, given: "GivenFrames | None" = None, sampler: str = "euler",
-            negative: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            negative: tuple[torch.Tensor, torch.Tensor] | None = None,
+            channels: torch.Tensor | None = None) -> torch.Tensor:
     """Latents from ``noise`` [N, C, T, H, W]: Euler steps (``sampler="unipc"``: Wan's UniPC, with
     ``ratio`` its shift) with classifier-free guidance (the unconditional branch is the family's:
     STDiT's learned null caption, or ``negative``, the encoded negative prompt). ``height``/``width``: the clip's pixel size, which Open-Sora's
     position table needs. ``given``: conditioning frames, kept as given at every step and marked
-    for the model by ``x_mask``."""
+    for the model by ``x_mask``; ``channels``: the given first frame's input channels of an i2v
+    model (``Conditions.given``), in both CFG branches as Wan does."""
     spec = spec_of(model)
     n = noise.shape[0]
     keep = torch.zeros(n, dtype=torch.bool, device=noise.device)
     x_mask = None if given is None else given.x_mask.expand(n, -1)
-    cond = Conditions(y, y_mask, keep, fps, height, width, x_mask)
+    cond = Conditions(y, y_mask, keep, fps, height, width, x_mask, given=channels)
     uncond = spec.unconditional(cond, negative)
 
     def velocity(conditions):
@@ -206,7 +218,11 @@ class Pipeline:
         self.flow = RectifiedFlow(self.cfg.diffusion)
         self.checkpoint = ckpt.path
         self.weights = stem
-        self.frame_masks = trained_with_frame_masks(self.cfg, getattr(ckpt, "export_info", None))
+        # A model that takes a reference natively (an i2v model's first frame, a ti2v model's image)
+        # was trained with one; otherwise only frame-mask training taught it given frames.
+        geometry = getattr(self.model, "geometry", None)
+        self.frame_masks = (getattr(geometry, "task", "t2v") != "t2v"
+                            or trained_with_frame_masks(self.cfg, getattr(ckpt, "export_info", None)))
 
     def resolve(self, num_frames: int | None = None, height: int | None = None,
                 width: int | None = None) -> dict[str, int]:

@@ -42,7 +42,8 @@ class Conditions:
     tokens ``y`` [B, L, C] and mask [B, L], ``drop`` [B] bool (the caption is dropped: CFG's
     unconditional branch in training), fps [B], the clip's pixel size, the frame mask
     ``x_mask`` [B, T'] (True: generated) and image features ``image`` [B, tokens, C] (Wan 2.1
-    I2V's CLIP). A family uses what it needs."""
+    I2V's CLIP) and ``given`` [B, C', T, H, W], channels entering beside x_t (Wan i2v's mask and
+    given frames' latents, from :meth:`ModelSpec.first_frame_condition`). A family uses what it needs."""
     y: torch.Tensor
     y_mask: torch.Tensor
     drop: torch.Tensor | None = None
@@ -51,6 +52,7 @@ class Conditions:
     width: torch.Tensor | float | None = None
     x_mask: torch.Tensor | None = None
     image: torch.Tensor | None = None
+    given: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,16 @@ class ModelSpec:
         """:attr:`released_encoders` of the release a model config describes (a family's releases
         may be built on different encoders)."""
         return self.released_encoders
+
+    def takes_first_frame(self, geometry) -> bool:
+        """Whether the model takes a given first frame as input channels (Wan's i2v), encoded by the
+        VAE as a clip of that frame followed by zero (mid-grey) frames."""
+        return False
+
+    def first_frame_condition(self, first_frame_latents: torch.Tensor) -> torch.Tensor:
+        """The input channels (``Conditions.given``) of a first frame given as the latents of a clip
+        [B, C, T, H, W] holding it and zero frames after (for :meth:`takes_first_frame` models)."""
+        raise NotImplementedError
 
     def untrainable(self, geometry) -> str | None:
         """Why a model of this geometry cannot be trained yet (one line naming what to do), or None."""

@@ -84,7 +84,8 @@ class ParallelModel:
         with self.autocast():
             out = self.module(*inputs)
         at = self.frame_mask_index
-        return self.loss_fn(out, inputs[0], inputs[1], target, *(inputs[at:at + 1] if at is not None else ()))
+        return self.loss_fn(out, noisy_latents(inputs, target), inputs[1], target,
+                            *(inputs[at:at + 1] if at is not None else ()))
 
     def forward_backward(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, *, scale: float,
                          sync: bool) -> float:
@@ -97,7 +98,8 @@ class ParallelModel:
                 at = self.frame_mask_index
                 x_mask = inputs[at] if at is not None and len(inputs) > at else None
                 geometry = self.local_model.geometry
-                packed = pack_target(inputs[0], target, inputs[1], x_mask, spec_of(geometry).patch_size(geometry)[0])
+                packed = pack_target(noisy_latents(inputs, target), target, inputs[1], x_mask,
+                                     spec_of(geometry).patch_size(geometry)[0])
                 return self.pipeline.step(inputs, packed, scale)
         with gradient_sync(self.module, enabled=sync):
             loss = self.loss(inputs, target) * scale
@@ -121,6 +123,12 @@ class ParallelModel:
             sum_partial_gradients(self.local_model, self.partial_gradients, self.ctx.group("tp"))
         pp_group = self.ctx.group("pp") if self.pipeline is not None else None
         return clip_gradients(self.local_model.parameters(), max_norm, pp_group)
+
+
+def noisy_latents(inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+    """x_t of the model inputs: their first tensor, without the conditioning channels a family may
+    append to it (Wan i2v's mask and given frame's latents), which the target does not have."""
+    return inputs[0][:, :target.shape[1]]
 
 
 def parallelize(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *, memory: MemoryConfig,

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from videodit.checkpoint import CheckpointManager, LoadedCheckpoint, checkpoint_name, list_checkpoints
 from videodit.checkpoint.lora import check_base, lora_model, run_base
-from videodit.components import build_encoders, build_model
+from videodit.components import build_encoders, build_model, first_frame_given
 from videodit.config import Config, to_yaml
 from videodit.data.dataset import BadFileGuard, Batch
 from videodit.data.feature_cache import CachedBatch, build_cached_training_data
@@ -107,6 +107,9 @@ class Trainer:
         model = build_model(cfg, self.vae, self.text)
         if (why := self.spec.untrainable(model.geometry)) is not None:
             raise UserError(why)
+        if self.spec.takes_first_frame(model.geometry) and cfg.data.cache:
+            raise UserError("data.cache holds no latents of the given first frames an i2v model takes; train it "
+                            "from data.csv (leave data.cache unset)")
         lora_base = None
         if cfg.lora.rank:   # the frozen base, recorded by its absolute path (config.yaml) and fingerprint
             lora_base = run_base(cfg)
@@ -286,7 +289,7 @@ class Trainer:
         """The model inputs of one micro-batch (the family's ``model_inputs``: x_t, t, then its
         conditions) and its velocity target; the batch's ``noise_seed`` draws its noise,
         timesteps, dropout and frame masks (x_mask only with ``diffusion.mask_ratios``)."""
-        x0, y, y_mask, size = self.features(batch)
+        x0, y, y_mask, size, given = self.features(batch)
         n = x0.shape[0]
         generator = torch.Generator().manual_seed(batch.noise_seed)
         ratio = self.flow.shift_ratio(size[-2], size[-1], x0.shape[2])
@@ -298,21 +301,24 @@ class Trainer:
         x_mask = None
         if self.conditioning is not None:
             x_t, x_mask = self.conditioning.apply(x_t, x0, generator)
-        cond = Conditions(y, y_mask, drop, batch.fps.to(self.device, non_blocking=True), height, width, x_mask)
+        cond = Conditions(y, y_mask, drop, batch.fps.to(self.device, non_blocking=True), height, width, x_mask,
+                          given=given)
         return self.spec.model_inputs(x_t, t, cond), self.flow.velocity_target(x0, noise)
 
-    def features(self, batch: Batch | CachedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
-        """(x0 latents, caption embeddings, caption mask, (frames, height, width) in pixels) of one
-        micro-batch: encoded here, or read from ``data.cache``."""
+    def features(self, batch: Batch | CachedBatch) -> tuple:
+        """(x0 latents, caption embeddings, caption mask, (frames, height, width) in pixels, the given
+        first frame's input channels of an i2v model or None) of one micro-batch: encoded here, or
+        read from ``data.cache``."""
         if isinstance(batch, CachedBatch):
-            return (*batch.features(self.device), batch.pixels)
+            return (*batch.features(self.device), batch.pixels, None)
         video = batch.video.to(self.device, non_blocking=True)   # pinned by the loader on GPUs: asynchronous
         encode_autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.encode_in_bf16
                            else contextlib.nullcontext())
         with torch.no_grad(), encode_autocast:
             x0 = self.vae.encode(video).float()
             y, y_mask = self.text.encode(batch.text)
-        return x0, y.float(), y_mask, tuple(video.shape[-3:])
+            given = first_frame_given(self.model, self.vae, video)
+        return x0, y.float(), y_mask, tuple(video.shape[-3:]), given
 
     def batches(self):
         """Batches forever, each with its noise seed; ``state.progress`` (epoch, offset) always
@@ -397,6 +403,11 @@ class Trainer:
             if self.is_main:
                 print("no sample videos: training from data.cache builds no VAE or text encoder; sample with "
                       f"`videodit sample --ckpt {self.run_dir}`", flush=True)
+            return []
+        if self.spec.takes_first_frame(self.model.geometry):   # i2v: no image to start from here
+            if self.is_main:
+                print("no sample videos: an i2v model generates from an image; sample with "
+                      f"`videodit sample --ckpt {self.run_dir} --ref IMAGE`", flush=True)
             return []
         model = self.eval_model()
         if model is None:

@@ -12,6 +12,7 @@ from collections import defaultdict
 
 import torch
 
+from videodit.components import first_frame_given
 from videodit.config import Config
 from videodit.data.feature_cache import CachedBatch, build_cached_validation_data
 from videodit.data.loader import build_validation_data
@@ -41,18 +42,19 @@ class Validator:
         for index, batch in enumerate(self.loader):
             if isinstance(batch, CachedBatch):
                 x0, y, y_mask = batch.features(self.device)
-                size = batch.pixels
+                size, given = batch.pixels, None
             else:
                 video = batch.video.to(self.device)
                 x0 = vae.encode(video)
                 y, y_mask = text.encode(batch.text)
                 size = tuple(video.shape[2:])
+                given = first_frame_given(model, vae, video)
             n = x0.shape[0]
             ratio = flow.shift_ratio(size[-2], size[-1], x0.shape[2])
             generator = torch.Generator().manual_seed(index)   # the same noise at every evaluation
             noise = torch.randn(x0.shape, generator=generator).to(self.device)
             keep = torch.zeros(n, dtype=torch.bool, device=self.device)
-            cond = Conditions(y, y_mask, keep, batch.fps.to(self.device), *size[-2:])
+            cond = Conditions(y, y_mask, keep, batch.fps.to(self.device), *size[-2:], given=given)
             loss = 0.0
             for t_value in self.timesteps:
                 t = flow.shift(torch.full((n,), t_value), ratio).to(self.device)

@@ -79,11 +79,22 @@ class WanSpec(ModelSpec):
         return (layouts.WAN22_LATENT_CHANNELS, *self.released_encoders[1:]) if m.task == "ti2v" \
             else self.released_encoders
 
+    def takes_first_frame(self, geometry: WanGeometry) -> bool:
+        return geometry.task == "i2v"
+
+    def first_frame_condition(self, first_frame_latents):
+        """Wan's i2v conditioning (``wan/image2video.py``): a 4-channel mask, 1 on latent frame 0
+        (its first pixel frame, alone in the causal VAE's first latent frame, is the given one), 0
+        after; then the latents of the given frame followed by zero frames (mid-grey in [-1, 1])."""
+        mask = torch.zeros_like(first_frame_latents[:, :1]).expand(-1, I2V_MASK_CHANNELS, -1, -1, -1).clone()
+        mask[:, :, 0] = 1
+        return torch.cat([mask, first_frame_latents], dim=1)
+
     def untrainable(self, geometry: WanGeometry) -> str | None:
-        if geometry.task == "i2v":
-            return ("training Wan's i2v models (the 36-channel input with the given frames' latents and mask, "
-                    "and Wan 2.1's CLIP features) is not built yet; they import, export, plan and sample "
-                    "only as models: train wan2.2-ti2v-5b or a t2v model, or see docs/wan.md")
+        if geometry.image_dim:
+            return ("training Wan 2.1 I2V (its CLIP image features) is not built yet; it imports, exports and "
+                    "plans as a model: train a Wan 2.2 i2v expert (wan2.2-i2v-a14b), wan2.2-ti2v-5b or a t2v "
+                    "model, or see docs/wan.md")
         return None
 
     def build(self, geometry: WanGeometry) -> WanDiT:
@@ -101,7 +112,9 @@ class WanSpec(ModelSpec):
                 from None
 
     def latent_channels(self, tensors) -> int:
-        return tensors["patch_embedding.weight"].shape[1]
+        """The latent's channels: the head's outputs per patch value (an i2v model takes more in)."""
+        patch = tensors["patch_embedding.weight"].shape[2:]
+        return tensors["head.head.weight"].shape[0] // (patch[0] * patch[1] * patch[2])
 
     def caption_channels(self, tensors) -> int:
         return tensors["text_embedding.0.weight"].shape[1]
@@ -135,6 +148,8 @@ class WanSpec(ModelSpec):
         With frame conditioning, x_mask gives the given frames' tokens time 0 (TI2V's way); a model
         with CLIP features (Wan 2.1 I2V) takes them last."""
         y = cond.y if cond.drop is None else torch.where(cond.drop[:, None, None], torch.zeros_like(cond.y), cond.y)
+        if cond.given is not None:   # i2v: the mask and the given frame's latents, after the noisy latents
+            x_t = torch.cat([x_t, cond.given.to(x_t.dtype)], dim=1)
         if cond.image is not None:
             return (x_t, t, y, cond.x_mask, cond.image)
         return (x_t, t, y) if cond.x_mask is None else (x_t, t, y, cond.x_mask)
