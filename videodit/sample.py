@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 import sys
+from typing import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,9 +22,12 @@ from videodit.models.families import spec_of
 from videodit.models.spec import Conditions
 
 
+Guidance = float | Callable[[torch.Tensor], float]   # a CFG scale, or one by time (two experts)
+
+
 @torch.no_grad()
 def generate(model, vae, text, flow: RectifiedFlow, prompts: list[str], *, num_frames: int,
-             height: int, width: int, steps: int, guidance: float, fps: float, seed: int,
+             height: int, width: int, steps: int, guidance: Guidance, fps: float, seed: int,
              device: torch.device, batch_size: int = 16, reference: torch.Tensor | None = None,
              sampler: str = "euler", negative_prompt: str | None = None) -> np.ndarray:
     """Sample one clip per prompt: uint8 [N, T, H, W, 3]. ``reference``: pixel frames
@@ -61,7 +65,7 @@ def generate(model, vae, text, flow: RectifiedFlow, prompts: list[str], *, num_f
 
 
 def denoise(model, flow: RectifiedFlow, noise: torch.Tensor, y: torch.Tensor, y_mask: torch.Tensor, *, steps: int,
-            guidance: float, ratio: float = 1.0, fps: torch.Tensor | None = None, height=None,
+            guidance: Guidance, ratio: float = 1.0, fps: torch.Tensor | None = None, height=None,
             width=None, given: "GivenFrames | None" = None, sampler: str = "euler",
             negative: tuple[torch.Tensor, torch.Tensor] | None = None,
             channels: torch.Tensor | None = None) -> torch.Tensor:
@@ -194,35 +198,65 @@ def write_clips(out_dir: Path, prompts: list[str], clips: np.ndarray, fps: float
 class Pipeline:
     """A trained model with its encoders and config, loaded from a checkpoint for sampling."""
 
-    def __init__(self, ckpt_path: str | Path, device: str = "auto", use_ema: bool = True):
+    def __init__(self, ckpt_path: str | Path, device: str = "auto", use_ema: bool = True,
+                 low_noise: str | Path | None = None):
+        """``low_noise``: the low-noise expert's run (or export) when ``ckpt_path`` is the high-noise
+        expert of a two-expert model (Wan 2.2 A14B): they switch at the lower edge of the high
+        run's ``diffusion.timestep_range``, each guided by its own run's ``sample.cfg``."""
         from videodit.checkpoint import LoadedCheckpoint
-        from videodit.components import build_encoders, build_model
+        from videodit.components import build_encoders
         from videodit.config import from_yaml
-        from videodit.models import load_pretrained
         from videodit.parallel.distributed import pick_device
 
         ckpt = LoadedCheckpoint(ckpt_path)
         self.cfg = from_yaml(ckpt.config_yaml(), f"the config of {ckpt.path}")
         self.device = pick_device(device)
         self.vae, self.text = build_encoders(self.cfg, self.device)
-        stem = "ema" if use_ema and ckpt.has("ema") else "model"
-        if ckpt.is_model_folder:   # an export: config.json (the model's arguments) + model.safetensors
-            self.model = load_pretrained(ckpt.path, self.device)
-        elif self.cfg.lora.rank:   # a LoRA run's checkpoint: its adapters (peft) on the base it started from
-            from videodit.checkpoint.lora import adapted_model
-            self.model = adapted_model(ckpt, stem)
-        else:
-            self.model = build_model(self.cfg, self.vae, self.text)
-            self.model.load_state_dict(ckpt.tensors(stem))
-        self.model.to(self.device).eval()
+        self.model, self.weights = self._load(ckpt, self.cfg, use_ema)
         self.flow = RectifiedFlow(self.cfg.diffusion)
         self.checkpoint = ckpt.path
-        self.weights = stem
+        self.expert_guidance = None
+        if low_noise is not None:
+            self._add_low_noise_expert(LoadedCheckpoint(low_noise), use_ema)
         # A model that takes a reference natively (an i2v model's first frame, a ti2v model's image)
         # was trained with one; otherwise only frame-mask training taught it given frames.
         geometry = getattr(self.model, "geometry", None)
         self.frame_masks = (getattr(geometry, "task", "t2v") != "t2v"
                             or trained_with_frame_masks(self.cfg, getattr(ckpt, "export_info", None)))
+
+    def _load(self, ckpt, cfg, use_ema: bool):
+        """(the model of ``ckpt``, on this device in eval mode, and which weights: "ema" or "model")."""
+        from videodit.components import build_model
+        from videodit.models import load_pretrained
+
+        stem = "ema" if use_ema and ckpt.has("ema") else "model"
+        if ckpt.is_model_folder:   # an export: config.json (the model's arguments) + model.safetensors
+            model = load_pretrained(ckpt.path, self.device)
+        elif cfg.lora.rank:   # a LoRA run's checkpoint: its adapters (peft) on the base it started from
+            from videodit.checkpoint.lora import adapted_model
+            model = adapted_model(ckpt, stem)
+        else:
+            model = build_model(cfg, self.vae, self.text)
+            model.load_state_dict(ckpt.tensors(stem))
+        return model.to(self.device).eval(), stem
+
+    def _add_low_noise_expert(self, ckpt, use_ema: bool) -> None:
+        """Pair this (high-noise) expert with the low-noise one of ``ckpt``, split where the runs'
+        timestep ranges meet."""
+        from videodit.config import from_yaml
+
+        cfg = from_yaml(ckpt.config_yaml(), f"the config of {ckpt.path}")
+        high_range, low_range = self.cfg.diffusion.timestep_range, cfg.diffusion.timestep_range
+        if high_range is None or high_range[1] != 1.0 or not 0 < high_range[0] < 1:
+            raise UserError(f"{self.checkpoint} was not trained as a high-noise expert (its diffusion.timestep_range "
+                            f"is {high_range}, not [boundary, 1.0]); pass the high-noise expert's run as --ckpt")
+        boundary = high_range[0]
+        if low_range is not None and (low_range[0] != 0.0 or low_range[1] != boundary):
+            raise UserError(f"the low-noise expert {ckpt.path} was trained on timesteps {low_range}, which do not "
+                            f"meet the high-noise expert's at {boundary}; pass the pair that was trained together")
+        low, _ = self._load(ckpt, cfg, use_ema)
+        self.model, self.expert_guidance = spec_of(self.model).combine_experts(
+            self.model, low, boundary, (cfg.sample.cfg, self.cfg.sample.cfg))
 
     def resolve(self, num_frames: int | None = None, height: int | None = None,
                 width: int | None = None) -> dict[str, int]:
@@ -243,10 +277,12 @@ class Pipeline:
         sample = self.cfg.sample
         size = self.resolve(num_frames, height, width)
         steps = sample.steps if steps is None else steps
-        guidance = sample.cfg if guidance is None else guidance
-        if min(size.values()) < 1 or steps < 1 or not (math.isfinite(guidance) and guidance >= 0):
-            raise UserError(f"cannot sample {size} with {steps} steps and guidance {guidance}: sizes and steps "
+        scale = sample.cfg if guidance is None else guidance
+        if min(size.values()) < 1 or steps < 1 or not (math.isfinite(scale) and scale >= 0):
+            raise UserError(f"cannot sample {size} with {steps} steps and guidance {scale}: sizes and steps "
                             "must be 1 or more and guidance a finite number >= 0")
+        if self.expert_guidance is not None and guidance is None:   # two experts: each its own scale
+            scale = self.expert_guidance
         prompts = prepare_prompts(prompts, sample.prompt_style, sample.aesthetic_score)
         ref = None if reference is None else read_reference(
             reference, reference_frames or max(1, size["num_frames"] // 2), size["height"], size["width"],
@@ -257,5 +293,5 @@ class Pipeline:
                   "what follows may not match it (train with diffusion.mask_ratios, e.g. {image_head: 0.1})",
                   file=sys.stderr, flush=True)
         return generate(self.model, self.vae, self.text, self.flow, prompts, **size, steps=steps,
-                        guidance=guidance, fps=fps or sample.fps, seed=seed, device=self.device, reference=ref,
+                        guidance=scale, fps=fps or sample.fps, seed=seed, device=self.device, reference=ref,
                         sampler=sample.sampler, negative_prompt=sample.negative_prompt)

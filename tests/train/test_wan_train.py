@@ -143,3 +143,29 @@ def test_wan_i2v_trains_on_its_first_frame_and_samples_from_an_image(toy_dir, tm
     clip = tiny_overrides(toy_dir, **WAN, **{"model.task": "i2v", "model.image_dim": 32})
     assert main(["train", "--out", str(tmp_path / "clip"), *clip]) == 2
     assert not (tmp_path / "clip").exists()
+
+
+def test_two_experts_trained_apart_sample_together(toy_dir, tmp_path, capsys):
+    """Wan 2.2 A14B's way: each expert trains on its timestep range; `sample --ckpt HIGH
+    --low-noise-ckpt LOW` switches at the boundary and guides each with its own sample.cfg."""
+    from videodit.sample import Pipeline
+
+    common = tiny_overrides(toy_dir, **{**WAN, "train.max_steps": 2, "data.num_frames": 5,
+                                        "sample.sampler": "unipc", "diffusion.constant_shift": 12.0})
+    runs = {}
+    for expert, edges, cfg in (("high", "[0.875, 1.0]", 4.0), ("low", "[0.0, 0.875]", 3.0)):
+        runs[expert] = tmp_path / expert
+        Trainer(load_config("tiny", common + [f"diffusion.timestep_range={edges}", f"sample.cfg={cfg}"]),
+                runs[expert]).fit()
+    pair = Pipeline(runs["high"], low_noise=runs["low"])
+    assert pair.model.boundary == 0.875 and pair.expert_guidance(torch.tensor([0.9])) == 4.0
+    assert pair.expert_guidance(torch.tensor([0.5])) == 3.0
+    together = pair(["a red circle moving right"], steps=4, seed=0)
+    alone = {name: Pipeline(run)(["a red circle moving right"], steps=4, seed=0) for name, run in runs.items()}
+    assert together.shape == alone["high"].shape
+    assert not (together == alone["high"]).all() and not (together == alone["low"]).all()
+
+    capsys.readouterr()
+    assert main(["sample", "--ckpt", str(runs["low"]), "--low-noise-ckpt", str(runs["high"]), "--prompt", "x",
+                 "--out", str(tmp_path / "x.mp4")]) == 2
+    assert "was not trained as a high-noise expert" in capsys.readouterr().err

@@ -52,7 +52,7 @@ def cmd_sample(ns) -> int:
 
     prompts = _read_prompts(ns)
     out = Path(ns.out)
-    pipeline = Pipeline(ns.ckpt, device=ns.device)
+    pipeline = Pipeline(ns.ckpt, device=ns.device, low_noise=ns.low_noise_ckpt)
     size = pipeline.resolve(num_frames=ns.num_frames, height=ns.height, width=ns.width)
     if not ns.gif and out.suffix != ".gif" and (size["height"] % 2 or size["width"] % 2):
         raise UserError(f"mp4 needs an even height and width, got {size['height']}x{size['width']}; pass even "
@@ -105,6 +105,9 @@ def register(sub) -> None:
 
     p = sub.add_parser("sample", help="sample videos from a checkpoint", description="Sample videos.")
     p.add_argument("--ckpt", required=True, help="run folder (newest checkpoint) or checkpoint folder")
+    p.add_argument("--low-noise-ckpt", metavar="CKPT", help="two experts (Wan 2.2 A14B): --ckpt is the high-noise "
+                   "expert's run, this the low-noise one's; they switch where their diffusion.timestep_range "
+                   "meet, each guided by its own sample.cfg (unless --cfg)")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", help="one prompt")
     group.add_argument("--prompts", help="file with one prompt a line")

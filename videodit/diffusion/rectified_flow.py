@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from videodit.config import DiffusionConfig
+from videodit.diffusion.flow_unipc import guided
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -109,22 +110,20 @@ class RectifiedFlow:
         return (per_sample / counted).mean()
 
     def sample(self, velocity: VelocityFn, noise: torch.Tensor, steps: int, ratio: float = 1.0,
-               guidance: float = 1.0, uncond_velocity: VelocityFn | None = None,
+               guidance: float | Callable[[torch.Tensor], float] = 1.0, uncond_velocity: VelocityFn | None = None,
                given: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """Euler integration from t=1 (``noise``) to t=0.
 
         With ``uncond_velocity`` and ``guidance`` != 1, classifier-free guidance:
-        ``v = v_uncond + guidance * (v_cond - v_uncond)``. ``given(x)`` puts conditioning frames
-        back into ``x`` at the start and after every step (Open-Sora re-inserts them so).
+        ``v = v_uncond + guidance * (v_cond - v_uncond)`` (``guidance`` may be a function of t: two
+        experts, each with its own scale). ``given(x)`` puts conditioning frames back into ``x`` at
+        the start and after every step (Open-Sora re-inserts them so).
         """
+        v_at = guided(velocity, guidance, uncond_velocity)
         given = given or (lambda x: x)
         times = self.shift(torch.linspace(1.0, 0.0, steps + 1), ratio)
         x = given(noise)
         for t_now, t_next in zip(times[:-1], times[1:]):
             t_batch = torch.full((x.shape[0],), float(t_now), device=x.device)
-            v = velocity(x, t_batch)
-            if uncond_velocity is not None and guidance != 1.0:
-                v_uncond = uncond_velocity(x, t_batch)
-                v = v_uncond + guidance * (v - v_uncond)
-            x = given(x + (t_next - t_now).item() * v)
+            x = given(x + (t_next - t_now).item() * v_at(x, t_batch))
         return x

@@ -173,6 +173,13 @@ class ModelSpec:
         [B, C, T, H, W] holding it and zero frames after (for :meth:`takes_first_frame` models)."""
         raise NotImplementedError
 
+    def combine_experts(self, high: nn.Module, low: nn.Module, boundary: float,
+                        guidance: tuple[float, float]) -> tuple[nn.Module, Callable[[torch.Tensor], float]]:
+        """A two-expert model (the high-noise expert above ``boundary``) and its CFG scale as a
+        function of t (``guidance`` = (low, high)), for sampling; families without such models refuse."""
+        from videodit.errors import UserError
+        raise UserError(f"the {self.family} family has no two-expert models")
+
     def untrainable(self, geometry) -> str | None:
         """Why a model of this geometry cannot be trained yet (one line naming what to do), or None."""
         return None

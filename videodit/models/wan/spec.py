@@ -90,6 +90,11 @@ class WanSpec(ModelSpec):
         mask[:, :, 0] = 1
         return torch.cat([mask, first_frame_latents], dim=1)
 
+    def combine_experts(self, high, low, boundary, guidance):
+        """Wan 2.2 A14B: the experts switch where Wan's integer timestep crosses boundary x 1000."""
+        from videodit.models.wan.experts import WanExperts, expert_guidance
+        return WanExperts(high, low, boundary), expert_guidance(boundary, guidance)
+
     def untrainable(self, geometry: WanGeometry) -> str | None:
         if geometry.image_dim:
             return ("training Wan 2.1 I2V (its CLIP image features) is not built yet; it imports, exports and "
