@@ -33,6 +33,7 @@ from videodit.checkpoint.writer import fsync_path, write_safetensors
 from videodit.components import model_geometry
 from videodit.config import from_yaml
 from videodit.errors import UserError
+from videodit.user_files import read_user_json
 from videodit.models.families import get_spec, spec_of
 
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -386,7 +387,7 @@ def remove_stale_staging(parent: Path, name: str) -> list[Path]:
 
 def _staging_owner(path: Path) -> dict | None:
     try:
-        owner = json.loads((path / STAGING_OWNER).read_text())
+        owner = read_user_json(path / STAGING_OWNER, max_bytes=1 << 16)
         return {"pid": int(owner["pid"]), "host": str(owner["host"])}
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -66,6 +66,9 @@ MAX_BATCH_SIZE = 1 << 16
 # wide, FFN 13,824). The rank is checked against the adapted layers once the model is known
 # (models/lora.py); this bound stops 1e9 before anything is built.
 MAX_LORA_RANK = 1 << 16
+# The default largest decoded frame (height x width): an 8192x8192 RGB frame is 200 MB; one of
+# 16000x16000 would need ~12 GB by the time it is resized.
+MAX_PIXELS = 16384 * 16384 // 4
 
 
 @dataclass
@@ -170,7 +173,7 @@ class DataConfig:
     metadata_cache: Optional[str] = opt("auto", "folder for the checked, memory-mapped copy of data.csv that "
                                         "the ranks of a node share: auto (~/.cache/videodit/metadata, for files "
                                         "of 64 MiB or more), a folder, or null (each process reads its own)")
-    max_pixels: int = opt(16384 * 16384 // 4, "largest decoded frame (height x width) a clip or image may have: "
+    max_pixels: int = opt(MAX_PIXELS, "largest decoded frame (height x width) a clip or image may have: "
                           "larger ones are skipped and reported like unreadable files, before their frames are "
                           "decoded (a crafted 16000x16000 clip would need ~12 GB)", min=1)
     max_bad_fraction: float = opt(0.05, "stop when more than this fraction of file reads fail",

@@ -38,6 +38,7 @@ import av
 import numpy as np
 from PIL import Image
 
+from videodit.config.schema import MAX_PIXELS   # data.max_pixels's default, re-exported
 from videodit.user_files import NotRegularFile, check_regular_file, open_user_file
 
 __all__ = [
@@ -58,9 +59,6 @@ IMAGE_FPS = 120.0
 VIDEO_SUFFIXES = (".mp4", ".gif")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
-# The default bound on a frame's pixels (height x width): ``data.max_pixels``'s default. A
-# 8192x8192 RGB frame is 200 MB; one of 16000x16000 would need ~12 GB by the time it is resized.
-MAX_PIXELS = 16384 * 16384 // 4
 
 # Below this many pixels per frame a single-threaded colour conversion is fastest.
 _SMALL_FRAME_PIXELS = 256 * 256
@@ -133,7 +131,7 @@ def is_image_path(path: str | os.PathLike) -> bool:
     return Path(path).suffix.lower() in IMAGE_SUFFIXES
 
 
-def _sws_threads(frame: av.VideoFrame) -> int:
+def sws_threads(frame: av.VideoFrame) -> int:
     """Threads for a pixel-format conversion: 1 for small frames, else automatic.
 
     Each conversion builds a fresh swscale context; with automatic threading that
@@ -256,10 +254,12 @@ class _FrameConverter:
         if not all(self.size):   # no declared size: the first frame sets it
             self.size = self._target(frame.width, frame.height)
         width, height = self.size
-        shrink = width < frame.width or height < frame.height
+        # Only a bucket's shrink gets the shrink filter; a frame that grew mid-stream is scaled back
+        # to the declared size with swscale's default, as before.
+        shrink = self.fit is not None and (width < frame.width or height < frame.height)
         rgb = self.reformatter.reformat(frame, width=width, height=height, format="rgb24",
                                         interpolation=_SHRINK_INTERPOLATION if shrink else None,
-                                        threads=_sws_threads(frame))
+                                        threads=sws_threads(frame))
         return rgb.to_ndarray()
 
 
@@ -414,9 +414,10 @@ def probe_video(path: str | os.PathLike) -> dict:
     """Return ``{num_frames, height, width, fps}`` from container metadata.
 
     Frames are counted by decoding only when the container does not record the count
-    (``stream.frames == 0``). Still images report one frame at ``IMAGE_FPS``; they are
-    decoded to check them, unless their header says they have more than ``MAX_PIXELS``
-    pixels (then, like videos, only the header is read; training skips them).
+    (``stream.frames == 0``), and then only if the header's frame size is within ``MAX_PIXELS``
+    (else ``FrameTooLarge``: nothing is decoded). Still images report one frame at
+    ``IMAGE_FPS``; they are decoded to check them, unless their header says they have more than
+    ``MAX_PIXELS`` pixels (then, like videos, only the header is read; training skips them).
     """
     _check_readable(path)
     if is_image_path(path):
@@ -427,6 +428,7 @@ def probe_video(path: str | os.PathLike) -> dict:
     with _open_video(path, None) as (container, stream):
         num_frames = stream.frames
         if num_frames == 0:
+            _check_pixels(path, stream.codec_context.width, stream.codec_context.height, MAX_PIXELS)
             num_frames = _count_frames(path, container, stream)
         return {
             "num_frames": int(num_frames),

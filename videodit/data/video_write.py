@@ -31,7 +31,7 @@ import av
 import numpy as np
 from PIL import Image
 
-from videodit.data.video import IMAGE_SUFFIXES, VIDEO_SUFFIXES, _sws_threads
+from videodit.data.video import IMAGE_SUFFIXES, VIDEO_SUFFIXES, sws_threads
 from videodit.errors import UserError
 
 __all__ = ["atomic_output", "write_video"]
@@ -156,7 +156,7 @@ def _write_mp4(tmp: Path, frames: np.ndarray, rate: Fraction) -> None:
                 format="yuv420p",
                 dst_colorspace=av.video.reformatter.Colorspace.ITU601,
                 dst_color_range=av.video.reformatter.ColorRange.MPEG,
-                threads=_sws_threads(frame),
+                threads=sws_threads(frame),
             )
             container.mux(stream.encode(frame))
         container.mux(stream.encode(None))  # flush the encoder's delayed frames

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from videodit.errors import UserError
+from videodit.user_files import read_user_json
 
 LOCK_NAME = ".lock"
 RUN_MARKERS = ("run_info.json", "checkpoints", LOCK_NAME)
@@ -69,7 +70,7 @@ class RunFolder:
     def _holder(self) -> str | None:
         """Why the existing lock still holds (None: its process is gone)."""
         try:
-            record = json.loads(self.lock_path.read_text())
+            record = read_user_json(self.lock_path, max_bytes=1 << 16)   # a FIFO there is refused, not read
             pid, host = int(record["pid"]), str(record["host"])
         except (OSError, ValueError, KeyError, TypeError):
             return None   # unreadable: a crash while writing it

@@ -129,15 +129,20 @@ def encoder_identity(cfg: Config) -> dict:
 
 def bucket_layout(data: DataConfig, buckets) -> dict:
     """What decides which clip lands in which shape and which frames it shows: the bucket
-    table (without batch sizes) and the frame sampling."""
+    table (without batch sizes), the frame sampling and the decoder's bounds."""
     from videodit.data.buckets.config import parse_bucket_config, resolve_bucket_config
 
     raw = resolve_bucket_config(data)
     entries = None
     if raw is not None:
         entries = [[e.resolution, e.num_frames, e.keep_prob, e.frame_prob] for e in parse_bucket_config(raw).entries]
+    from videodit.data.video import SHRINK_ABOVE, SHRINK_TO
+
+    # How frames were decoded: a build resumed with another bound or shrink rule would mix
+    # shards decoded two ways (same_build compares the whole manifest).
+    decode = {"max_pixels": data.max_pixels, "shrink_above": SHRINK_ABOVE, "shrink_to": SHRINK_TO}
     return {"buckets": [[b.resolution, b.num_frames, b.ratio, b.height, b.width] for b in buckets],
-            "keep": entries, "frame_interval": data.frame_interval}
+            "keep": entries, "frame_interval": data.frame_interval, "decode": decode}
 
 
 def describe_encoder(identity: dict) -> str:

@@ -37,6 +37,8 @@ def process_start_tick(pid: int) -> int | None:
 
 
 def _alive(pid: int, tick: int | None) -> bool:
+    if pid <= 0:   # os.kill(0, 0) would signal our own process group and succeed
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

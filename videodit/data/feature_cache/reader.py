@@ -149,9 +149,9 @@ def _load_index(folder: Path, manifest: dict) -> tuple[dict[str, np.ndarray], di
         records = records_of(table.schema.metadata)
     except (ValueError, TypeError, AttributeError, RecursionError) as exc:
         raise IndexDamaged(f"its shard checksums cannot be read ({type(exc).__name__})") from None
-    if records is not None and not all(0 <= s < manifest["shards"] and (r is None or (
-            isinstance(r, dict) and isinstance(r.get("sha256"), str) and isinstance(r.get("bytes"), int)))
-            for s, r in records.items()):
+    if records is not None and (set(records) != set(range(manifest["shards"])) or not all(r is None or (
+            isinstance(r, dict) and isinstance(r.get("sha256"), str) and isinstance(r.get("bytes"), int))
+            for r in records.values())):   # a deleted record would turn that shard's check off
         raise IndexDamaged("its shard checksums are not one {sha256, bytes} record per shard")
     columns = {name: table.column(name).to_numpy() for name in _INDEX_TYPES}
     limits = {"clip": manifest["source"]["rows"], "view": manifest["views"],
