@@ -90,3 +90,28 @@ def test_sigterm_ends_a_run_blocked_in_its_data_and_keeps_its_last_checkpoint(to
     checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert checkpoints == ["step-0000002"]
     assert not (tmp_path / "run" / ".lock").exists()
+
+
+def test_a_signal_to_a_forked_worker_never_reaches_the_parents_watchdog():
+    """DataLoader workers are forked: a SIGTERM sent to one alone must not stop the parent."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    with StopSignals(grace_s=0.2) as stop:
+        worker = context.Process(target=time.sleep, args=(30,))
+        worker.start()
+        time.sleep(0.3)   # past the fork (a signal inside fork() itself still reaches the parent's descriptor)
+        worker.terminate()
+        worker.join(5)
+        with stop.waiting_for_data():
+            time.sleep(0.8)   # a healthy wait, longer than the grace
+        worker.kill()   # it ignored SIGTERM: it inherited the loop's handler
+    assert stop.requested is None
+
+
+def test_the_watchdogs_resent_signal_after_the_wait_ended_does_not_interrupt_the_step():
+    with StopSignals(grace_s=5.0) as stop:
+        stop.requested, stop._resent = "SIGTERM", True   # as if the watchdog re-sent just as the wait ended
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)   # the handler runs here, outside any data wait: no KeyboardInterrupt
+    assert stop.requested == "SIGTERM" and not stop._resent

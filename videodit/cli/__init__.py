@@ -61,6 +61,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error{_rank_tag()}: another rank stopped (see its message, if it left one), so this one stops too",
               file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:   # a stop that broke off a data wait carries its signal's status
         print("interrupted", file=sys.stderr)
-        return 130
+        return getattr(exc, "exit_status", 130)

@@ -11,8 +11,11 @@ The escalation is a watchdog thread's, since a Python handler runs only when the
 returns to the interpreter. The C-level handler writes every signal to ``signal.set_wakeup_fd``,
 so the watchdog sees it even then. After ``grace_s`` in one data wait it re-sends the signal to
 the main thread (which breaks a blocking system call, and the handler raises); after another
-``grace_s`` with the main thread still stuck in C code, it ends the process with exit status
-128 + signal.
+``grace_s`` with the main thread still stuck in C code that released the GIL (blocking I/O does),
+it ends the process with exit status 128 + signal. (Code that holds the GIL stops the watchdog
+too; nothing in Python can end that but SIGKILL.) Forked children (DataLoader workers) point the
+wakeup descriptor at /dev/null as they start, so a signal sent to a worker alone does not reach
+this watchdog (one landing inside ``fork()`` itself still can).
 """
 
 from __future__ import annotations
@@ -31,7 +34,27 @@ DATA_WAIT_GRACE_S = 10.0   # how long a data wait may go on after a stop signal
 
 
 class StoppedWaitingForData(KeyboardInterrupt):
-    """A stop signal arrived while the loop waited for a batch: end now, without saving."""
+    """A stop signal arrived while the loop waited for a batch: end now, without saving. The CLI
+    exits with ``exit_status`` (128 + the signal)."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.exit_status = 128 + int(signal.Signals[name])
+
+
+def _drop_wakeup_in_child() -> None:
+    """In a forked child: the parent's wakeup descriptor is not the child's to write. Its number
+    is pointed at /dev/null (closing it could let another file take the number and receive the
+    signal bytes; ``set_wakeup_fd`` cannot be called this early in a child)."""
+    if _owner is not None and os.getpid() != _owner[0]:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, _owner[1])
+        os.close(null)
+
+
+_owner: tuple[int, int] | None = None   # (pid, wakeup fd) of the StopSignals that owns the descriptor
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_wakeup_in_child)
 
 
 class StopSignals:
@@ -45,6 +68,7 @@ class StopSignals:
         self._waiting_since: float | None = None   # monotonic time the current data wait began
         self._wakeup = None            # (read end, write end) of the watchdog's socket pair
         self._previous_wakeup_fd = -1
+        self._resent = False           # the watchdog re-sent the signal (not a user's second one)
 
     def __enter__(self):
         for sig in _SIGNALS:
@@ -59,6 +83,8 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         if self._wakeup is not None:
+            global _owner
+            _owner = None
             signal.set_wakeup_fd(self._previous_wakeup_fd)
             self._wakeup[1].close()    # the watchdog's read returns empty and it ends
             self._wakeup = None
@@ -75,7 +101,12 @@ class StopSignals:
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
         if self.requested:   # a second signal (or the watchdog's): stop now
-            raise StoppedWaitingForData(name) if self._waiting_since is not None else KeyboardInterrupt
+            if self._waiting_since is not None:
+                raise StoppedWaitingForData(self.requested)
+            if self._resent:   # the watchdog's, landing after the wait ended: the step finishes, then saves
+                self._resent = False
+                return
+            raise KeyboardInterrupt
         self.requested = name
 
     def _start_watchdog(self) -> None:
@@ -88,6 +119,8 @@ class StopSignals:
             write_end.close()
             return
         self._wakeup = (read_end, write_end)
+        global _owner
+        _owner = (os.getpid(), write_end.fileno())
         threading.Thread(target=self._watch, args=(read_end,), name="videodit-stop-watchdog", daemon=True).start()
 
     def _watch(self, read_end: socket.socket) -> None:
@@ -112,7 +145,7 @@ class StopSignals:
                     continue
                 waited = time.monotonic() - max(since, since_signal)
                 if not resent and waited > self.grace_s:
-                    resent = True   # breaks a blocking call; the handler then raises
+                    resent = self._resent = True   # breaks a blocking call; the handler then raises
                     signal.pthread_kill(threading.main_thread().ident, signalled)
                 elif waited > 2 * self.grace_s:
                     self._end(signalled)
