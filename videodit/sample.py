@@ -170,12 +170,10 @@ def trained_with_frame_masks(cfg, export_info: dict | None = None) -> bool:
 
 def _export_format(folder: Path) -> str | None:
     """The ``format`` in a model folder's export.json (what ``ckpt import`` read), or None."""
-    import json
-
-    from videodit.user_files import read_user_bytes
+    from videodit.user_files import read_user_json
 
     try:
-        info = json.loads(read_user_bytes(folder / "export.json", max_bytes=2**20))
+        info = read_user_json(folder / "export.json", max_bytes=2**20)
     except (OSError, ValueError):
         return None
     return info.get("format") if isinstance(info, dict) else None
@@ -213,6 +211,8 @@ class Pipeline:
         self.device = pick_device(device)
         self.vae, self.text = build_encoders(self.cfg, self.device)
         self.model, self.weights = self._load(ckpt, self.cfg, use_ema)
+        if (missing := spec_of(self.model).not_built(self.model.geometry)) is not None:
+            raise UserError(missing)
         self.flow = RectifiedFlow(self.cfg.diffusion)
         self.checkpoint = ckpt.path
         self.expert_guidance = None
@@ -220,9 +220,9 @@ class Pipeline:
             self._add_low_noise_expert(LoadedCheckpoint(low_noise), use_ema)
         # A model that takes a reference natively (an i2v model's first frame, a ti2v model's image)
         # was trained with one; otherwise only frame-mask training taught it given frames.
-        geometry = getattr(self.model, "geometry", None)
-        self.frame_masks = (getattr(geometry, "task", "t2v") != "t2v"
-                            or trained_with_frame_masks(self.cfg, getattr(ckpt, "export_info", None)))
+        # A Wan i2v/ti2v model was trained with an image: it takes a reference natively, one frame.
+        self.image_model = getattr(getattr(self.model, "geometry", None), "task", "t2v") != "t2v"
+        self.frame_masks = self.image_model or trained_with_frame_masks(self.cfg, getattr(ckpt, "export_info", None))
 
     def _load(self, ckpt, cfg, use_ema: bool):
         """(the model of ``ckpt``, on this device in eval mode, and which weights: "ema" or "model")."""
@@ -273,7 +273,8 @@ class Pipeline:
                  fps: float | None = None, seed: int = 0, reference: str | None = None,
                  reference_frames: int | None = None) -> np.ndarray:
         """Clips for ``prompts``; ``reference``: an image or video file whose first
-        ``reference_frames`` frames (default: an image, or the first half of the clip) open them."""
+        ``reference_frames`` frames (default: an image, the first frame for an image-to-video
+        model, or the first half of the clip) open them."""
         sample = self.cfg.sample
         size = self.resolve(num_frames, height, width)
         steps = sample.steps if steps is None else steps
@@ -285,7 +286,8 @@ class Pipeline:
             scale = self.expert_guidance
         prompts = prepare_prompts(prompts, sample.prompt_style, sample.aesthetic_score)
         ref = None if reference is None else read_reference(
-            reference, reference_frames or max(1, size["num_frames"] // 2), size["height"], size["width"],
+            reference, reference_frames or (1 if self.image_model else max(1, size["num_frames"] // 2)),
+            size["height"], size["width"],
             self.cfg.data.max_pixels)
         if reference is not None and not self.frame_masks:
             print(f"warning: {self.checkpoint} was not trained with frame masks (its diffusion.mask_ratios is "

@@ -48,12 +48,23 @@ def test_yaml_file_round_trip(tmp_path):
     ("lora.rank=1e9", "lora.rank=1000000000 is too large; it must be <= 65536"),
     ("lora.alpha=-1", "lora.alpha=-1.0 is too small; it must be > 0.0"),
     ("lora.alpha=0", "lora.alpha=0.0 is too small; it must be > 0.0 (adapter"),
+    ("model.task=ti2v", "model.task=ti2v / model.image_dim belong to the Wan family, not stdit"),
+    ("diffusion.timestep_range=[0.9, 0.5]", "diffusion.timestep_range=[0.9, 0.5] is empty"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(UserError) as info:
         load_config("tiny", [override])
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.preset=wan-tiny", "diffusion.mask_ratios={image_head: 0.5}"], "set model.task=ti2v (not t2v)"),
+    (["model.preset=wan-tiny", "model.image_dim=1280"], "model.image_dim (CLIP features) needs model.task=i2v"),
+])
+def test_wan_variant_settings_that_do_not_fit_are_one_line(overrides, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config("tiny", overrides)
 
 
 def test_unknown_preset_and_missing_file():

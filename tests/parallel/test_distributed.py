@@ -260,7 +260,7 @@ def test_wan_image_conditioning_matches_one_process(toy_dir, tmp_path, condition
     """Wan with a given first frame, both ways: TI2V's (the frame's tokens at time 0, a per-token
     modulation that Ulysses SP slices with its tokens) and i2v's (mask and latents as input
     channels): SP, TP and PP match one process."""
-    extra = ({"diffusion.mask_ratios": "{'image_head': 0.5}"} if condition == "frame masks"
+    extra = ({"diffusion.mask_ratios": "{'image_head': 0.5}", "model.task": "ti2v"} if condition == "frame masks"
              else {"model.task": "i2v", "data.num_frames": 5})
     video = wan(toy_dir, **extra)
     runs = {"sp": video + ["parallel.sp=2"], "tp": video + ["parallel.tp=2"],

@@ -298,6 +298,9 @@ def _check_consistency(cfg: Config) -> None:
     if m.family != "wan" and (m.task != "t2v" or m.image_dim is not None):
         raise UserError(f"model.task={m.task} / model.image_dim belong to the Wan family, not {m.family}; "
                         "leave them unset or choose a Wan preset")
+    if m.family == "wan" and cfg.diffusion.mask_ratios is not None and m.task != "ti2v":
+        raise UserError(f"diffusion.mask_ratios on Wan is TI2V's image conditioning (the given frames' tokens at "
+                        f"time 0): set model.task=ti2v (not {m.task}), or remove diffusion.mask_ratios")
     if m.image_dim is not None and m.task != "i2v":
         raise UserError(f"model.image_dim (CLIP features) needs model.task=i2v, not {m.task}")
     if m.family == "wan" and m.ffn_dim is None:

@@ -180,8 +180,9 @@ class ModelSpec:
         from videodit.errors import UserError
         raise UserError(f"the {self.family} family has no two-expert models")
 
-    def untrainable(self, geometry) -> str | None:
-        """Why a model of this geometry cannot be trained yet (one line naming what to do), or None."""
+    def not_built(self, geometry) -> str | None:
+        """Why a model of this geometry can be neither trained nor sampled yet (one line naming what
+        to do), or None."""
         return None
 
     def caption_channels(self, tensors: dict[str, torch.Tensor]) -> int:

@@ -105,7 +105,7 @@ class Trainer:
             raise UserError(f"diffusion.mask_ratios (Open-Sora 1.2's frame masks) is not supported by the "
                             f"{cfg.model.family} family; remove it")
         model = build_model(cfg, self.vae, self.text)
-        if (why := self.spec.untrainable(model.geometry)) is not None:
+        if (why := self.spec.not_built(model.geometry)) is not None:
             raise UserError(why)
         if self.spec.takes_first_frame(model.geometry) and cfg.data.cache:
             raise UserError("data.cache holds no latents of the given first frames an i2v model takes; train it "

@@ -33,6 +33,16 @@ class Validator:
             self.loader, self.size = build_validation_data(cfg.data, csv, batch_size=cfg.train.batch_size,
                                                            seed=cfg.train.seed, max_samples=max_samples)
 
+    @staticmethod
+    def _within_range(flow: RectifiedFlow, u: float, ratio: float, n: int) -> torch.Tensor:
+        """The fixed unshifted time ``u`` in [0, 1], mapped into ``diffusion.timestep_range`` when one
+        is set (an expert's validation loss is over its own timesteps)."""
+        edges = flow.cfg.timestep_range
+        if edges is not None:
+            lo, hi = (float(flow.unshift(torch.tensor(float(e), dtype=torch.float64), ratio)) for e in edges)
+            u = lo + (hi - lo) * u
+        return torch.full((n,), u)
+
     @torch.no_grad()
     def evaluate(self, model, vae, text, flow: RectifiedFlow, autocast) -> dict:
         """``{"val_loss": overall, "val_loss/<resolution>x<frames>": per bucket}``."""
@@ -57,7 +67,7 @@ class Validator:
             cond = Conditions(y, y_mask, keep, batch.fps.to(self.device), *size[-2:], given=given)
             loss = 0.0
             for t_value in self.timesteps:
-                t = flow.shift(torch.full((n,), t_value), ratio).to(self.device)
+                t = flow.shift(self._within_range(flow, t_value, ratio, n), ratio).to(self.device)
                 x_t = flow.interpolate(x0, noise, t)
                 with autocast():
                     out = model(*spec_of(model).model_inputs(x_t, t, cond))

@@ -95,11 +95,11 @@ class WanSpec(ModelSpec):
         from videodit.models.wan.experts import WanExperts, expert_guidance
         return WanExperts(high, low, boundary), expert_guidance(boundary, guidance)
 
-    def untrainable(self, geometry: WanGeometry) -> str | None:
+    def not_built(self, geometry: WanGeometry) -> str | None:
         if geometry.image_dim:
-            return ("training Wan 2.1 I2V (its CLIP image features) is not built yet; it imports, exports and "
-                    "plans as a model: train a Wan 2.2 i2v expert (wan2.2-i2v-a14b), wan2.2-ti2v-5b or a t2v "
-                    "model, or see docs/wan.md")
+            return ("Wan 2.1 I2V's CLIP image features are not built yet (neither training nor sampling); it "
+                    "imports, exports and plans as a model: use a Wan 2.2 i2v expert (wan2.2-i2v-a14b), "
+                    "wan2.2-ti2v-5b or a t2v model, or see docs/wan.md")
         return None
 
     def build(self, geometry: WanGeometry) -> WanDiT:

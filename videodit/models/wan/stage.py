@@ -57,7 +57,7 @@ def stage_io(stage: WanStage, inputs: tuple[torch.Tensor, ...], microbatches: in
     """Meta tensors of one micro-batch's stage inputs and outputs, from the model inputs
     (x, t, context[, x_mask]) of the whole batch."""
     x, t = inputs[:2]
-    per_token = len(inputs) > 3 or t.dim() == 2
+    per_token = (len(inputs) > 3 and inputs[3] is not None) or t.dim() == 2   # x_mask given, or t per token
     g = stage.geometry
     n = x.shape[0] // microbatches
     frames, height, width = (s // p for s, p in zip(x.shape[-3:], g.patch_size))

@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from videodit.errors import UserError
+from videodit.errors import UserError, os_error_message
 from videodit.models.vae_base import FrozenVAE, load_strict
-from videodit.user_files import check_regular_file, read_user_json
+from videodit.user_files import NotRegularFile, check_regular_file, read_user_json
 
 # Wan 2.1's latent statistics (``WanVAE.__init__`` in wan/modules/vae.py, diffusers' defaults).
 WAN21_LATENTS_MEAN = (-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
@@ -168,6 +168,8 @@ def read_checkpoint(file: Path, release: str = "Wan2.1_VAE.pth") -> dict[str, Te
                             f"Wan's {release} (a plain state dict) or its tensors as safetensors") from None
         raise UserError(f"{file} cannot be read as weights (not a torch checkpoint); restore it from the original "
                         "checkpoint") from None
+    except NotRegularFile as exc:
+        raise UserError(os_error_message(exc)) from None
     except Exception as exc:   # corrupt zip, truncated file, bad safetensors header...
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise UserError(f"{file} cannot be read as weights ({first}); restore it from the original checkpoint") \
