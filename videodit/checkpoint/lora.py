@@ -34,7 +34,7 @@ from videodit.checkpoint.loaded import LoadedCheckpoint
 from videodit.components import model_geometry
 from videodit.config import Config, LoraConfig, from_yaml
 from videodit.errors import UserError, os_error_message
-from videodit.models.lora import add_adapters, check_alpha, is_adapter_name, merge_adapters
+from videodit.models.lora import add_adapters, is_adapter_name, merge_adapters
 from videodit.models.families import get_spec, released_spec
 from videodit.user_files import NotRegularFile, open_user_file
 
@@ -229,7 +229,6 @@ def lora_model(cfg: Config, base: str | Path, adapters: dict[str, torch.Tensor],
 
 def run_base(cfg: Config) -> dict:
     """A LoRA run's base, recorded (:func:`base_record`) from ``model.init_from``, which it needs."""
-    check_alpha(cfg.lora)   # before the base is read and hashed
     if not cfg.model.init_from:
         raise UserError(f"lora.rank={cfg.lora.rank} trains adapters on frozen base weights: set model.init_from to "
                         "them (a checkpoint, a run folder, an export or released weights: Open-Sora STDiT3, Wan)")

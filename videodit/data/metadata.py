@@ -545,7 +545,7 @@ def _open_entry(source: Path, entry: Path, shared: bool = True) -> Metadata:
 
 def write_csv(path: str | Path, columns: tuple[str, ...] | list[str], rows: list[dict]) -> None:
     """Write ``rows`` as CSV atomically, with ``\\n`` line ends for stable bytes."""
-    from videodit.data.video_write import atomic_output   # video.py pulls in PyAV; metadata stays light
+    from videodit.data.video_write import atomic_output   # video_write.py pulls in PyAV; metadata stays light
 
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=list(columns), lineterminator="\n")

@@ -63,14 +63,16 @@ class LatentGeometry:
 
     @classmethod
     def parse(cls, text: str) -> "LatentGeometry":
-        """``opensora-v1.2``, ``wan2.1`` or ``C,FT,FS`` (channels, temporal and spatial compression)."""
+        """A known VAE (``KNOWN_LATENTS``: opensora-v1.2, wan2.1, wan2.2) or ``C,FT,FS`` (channels,
+        temporal and spatial compression)."""
         if text in KNOWN_LATENTS:
             return KNOWN_LATENTS[text]()
         try:
             channels, temporal, spatial = (int(v) for v in text.split(","))
         except ValueError:
-            raise UserError(f"--latent {text!r} must be opensora-v1.2 or three integers C,FT,FS (latent channels, "
-                            "frames per latent frame, pixels per latent), e.g. 4,1,8 for an SD VAE, or wan2.1") from None
+            raise UserError(f"--latent {text!r} must be a known VAE ({', '.join(KNOWN_LATENTS)}) or three integers "
+                            "C,FT,FS (latent channels, frames per latent frame, pixels per latent), e.g. 4,1,8 for "
+                            "an SD VAE") from None
         if min(channels, temporal, spatial) < 1:
             raise UserError(f"--latent {text!r}: every entry must be at least 1")
         return cls(channels, temporal, spatial)
@@ -304,8 +306,11 @@ def _weight_bytes(file, element_bytes: int) -> int:
         handle = open_user_file(file)   # a FIFO would block the read forever
     except NotRegularFile as exc:
         raise UserError(f"encoder weights: {os_error_message(exc)}") from None
-    except OSError:
-        return file.stat().st_size   # unreadable here: its size is the best guess
+    except OSError:   # unreadable here: its size is the best guess (0 for a dangling link)
+        try:
+            return file.stat().st_size
+        except OSError:
+            return 0
     with handle:
         if file.suffix == ".safetensors":
             try:
@@ -325,7 +330,7 @@ def planner_from_config(cfg: Config, gpu_bytes: int, *, world_size: int | None =
                         encoder_bytes: int | None = None) -> Planner:
     """A planner for ``cfg`` on GPUs of ``gpu_bytes``. Latent and caption geometry come from
     the config's encoders when they are built in (identity VAE, toy text) or known
-    (vae.kind=opensora-v1.2 or wan2.1, text.kind=umt5 at text.max_length tokens); other local
+    (vae.kind=opensora-v1.2, wan2.1 or wan2.2, text.kind=umt5 at text.max_length tokens); other local
     pretrained ones are described with ``latent``/``caption`` instead of being loaded."""
     if cfg.data.cache:   # features are cached: no encoder on the GPU; geometry from the cache when built
         latent, caption, encoder_bytes = *_cached_geometry(cfg, latent, caption), 0
