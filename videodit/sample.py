@@ -168,6 +168,22 @@ def trained_with_frame_masks(cfg, export_info: dict | None = None) -> bool:
                for spec in families().values())
 
 
+def expert_boundary(high_cfg, low_cfg, high_path, low_path) -> float:
+    """Where two experts trained apart meet: the lower edge of the high-noise run's
+    ``diffusion.timestep_range`` ([boundary, 1]), which the low-noise run's (if set) must end at."""
+    high_range, low_range = high_cfg.diffusion.timestep_range, low_cfg.diffusion.timestep_range
+    if high_range is None or high_range[1] != 1.0 or not 0 < high_range[0] < 1:
+        raise UserError(f"{high_path} was not trained as a high-noise expert (its diffusion.timestep_range is "
+                        f"{high_range}, not [boundary, 1.0]); pass the high-noise expert's run first")
+    boundary = high_range[0]
+    if low_range is not None and (low_range[0] != 0.0 or low_range[1] != boundary):
+        raise UserError(f"the low-noise expert {low_path} was trained on timesteps {low_range}, which do not meet the "
+                        f"high-noise expert's at {boundary}; pass the pair that was trained together")
+    if high_cfg.model.family != low_cfg.model.family:
+        raise UserError(f"{high_path} and {low_path} are of different model families; pass two experts of one model")
+    return boundary
+
+
 def _export_format(folder: Path) -> str | None:
     """The ``format`` in a model folder's export.json (what ``ckpt import`` read), or None."""
     from videodit.user_files import read_user_json
@@ -246,14 +262,7 @@ class Pipeline:
         from videodit.config import from_yaml
 
         cfg = from_yaml(ckpt.config_yaml(), f"the config of {ckpt.path}")
-        high_range, low_range = self.cfg.diffusion.timestep_range, cfg.diffusion.timestep_range
-        if high_range is None or high_range[1] != 1.0 or not 0 < high_range[0] < 1:
-            raise UserError(f"{self.checkpoint} was not trained as a high-noise expert (its diffusion.timestep_range "
-                            f"is {high_range}, not [boundary, 1.0]); pass the high-noise expert's run as --ckpt")
-        boundary = high_range[0]
-        if low_range is not None and (low_range[0] != 0.0 or low_range[1] != boundary):
-            raise UserError(f"the low-noise expert {ckpt.path} was trained on timesteps {low_range}, which do not "
-                            f"meet the high-noise expert's at {boundary}; pass the pair that was trained together")
+        boundary = expert_boundary(self.cfg, cfg, self.checkpoint, ckpt.path)
         low, _ = self._load(ckpt, cfg, use_ema)
         self.model, self.expert_guidance = spec_of(self.model).combine_experts(
             self.model, low, boundary, (cfg.sample.cfg, self.cfg.sample.cfg))

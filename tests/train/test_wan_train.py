@@ -150,7 +150,7 @@ def test_two_experts_trained_apart_sample_together(toy_dir, tmp_path, capsys):
     --low-noise-ckpt LOW` switches at the boundary and guides each with its own sample.cfg."""
     from videodit.sample import Pipeline
 
-    common = tiny_overrides(toy_dir, **{**WAN, "train.max_steps": 2, "data.num_frames": 5,
+    common = tiny_overrides(toy_dir, **{**WAN, "train.max_steps": 2, "data.num_frames": 5, "text.max_length": 512,
                                         "sample.sampler": "unipc", "diffusion.constant_shift": 12.0})
     runs = {}
     for expert, edges, cfg in (("high", "[0.875, 1.0]", 4.0), ("low", "[0.0, 0.875]", 3.0)):
@@ -169,3 +169,16 @@ def test_two_experts_trained_apart_sample_together(toy_dir, tmp_path, capsys):
     assert main(["sample", "--ckpt", str(runs["low"]), "--low-noise-ckpt", str(runs["high"]), "--prompt", "x",
                  "--out", str(tmp_path / "x.mp4")]) == 2
     assert "was not trained as a high-noise expert" in capsys.readouterr().err
+
+    # Exported as the release lays its experts out; each folder is a Wan DiT, the pair is refused whole.
+    from videodit.errors import UserError
+    from videodit.models.wan import load_wan
+    for fmt, folders in (("wan", ("high_noise_model", "low_noise_model")), ("diffusers", ("transformer", "transformer_2"))):
+        out = tmp_path / f"a14b-{fmt}"
+        assert main(["ckpt", "export", str(runs["high"]), str(out), "--low-noise-ckpt", str(runs["low"]),
+                     "--format", fmt, "--ema"]) == 0   # the pair above sampled with the EMA weights
+        experts = [load_wan(out / folder) for folder in folders]
+        for expert, ours in zip(experts, (pair.model.high_noise_model, pair.model.low_noise_model)):
+            assert all(torch.equal(v, ours.state_dict()[k]) for k, v in expert.state_dict().items())
+        with pytest.raises(UserError, match="two experts"):
+            load_wan(out)

@@ -39,12 +39,39 @@ def cmd_ckpt_export(ns) -> int:
         if ns.merge_lora:
             raise UserError("--merge-lora writes a videodit model folder: export it without --format, then export "
                             f"that folder with --format {ns.format}")
-        out = export_released(ns.ckpt, ns.out, ns.format, use_ema=ns.ema, dtype=ns.dtype)
+        if ns.low_noise_ckpt is not None:
+            out = _export_experts(ns)
+        else:
+            out = export_released(ns.ckpt, ns.out, ns.format, use_ema=ns.ema, dtype=ns.dtype)
         print(f"exported to {out} ({EXPORT_LOADERS[ns.format]} loads it)")
+    elif ns.low_noise_ckpt is not None:
+        raise UserError("--low-noise-ckpt writes the two experts in a released layout: add --format wan or diffusers")
     else:
         out = export(ns.ckpt, ns.out, use_ema=ns.ema, dtype=ns.dtype, merge_lora=ns.merge_lora)
         print(f"exported to {out} (videodit sample --ckpt {out} loads it)")
     return 0
+
+
+def _export_experts(ns) -> Path:
+    """A two-expert model from two expert runs, in the release's two-folder layout (Wan 2.2 A14B:
+    high_noise_model/ + low_noise_model/, or diffusers' transformer/ + transformer_2/)."""
+    from videodit.checkpoint import LoadedCheckpoint, export_released
+    from videodit.config import from_yaml
+    from videodit.models.families import get_spec
+    from videodit.sample import expert_boundary
+
+    out = Path(ns.out)
+    if out.exists():
+        raise UserError(f"{out} exists; pass a new folder for the two experts")
+    runs = [LoadedCheckpoint(path) for path in (ns.ckpt, ns.low_noise_ckpt)]
+    high_cfg, low_cfg = (from_yaml(run.config_yaml(), f"the config of {run.path}") for run in runs)
+    expert_boundary(high_cfg, low_cfg, runs[0].path, runs[1].path)   # a pair trained together, or one line
+    folders = get_spec(high_cfg.model.family).expert_folders.get(ns.format)
+    if folders is None:
+        raise UserError(f"the {high_cfg.model.family} family has no two-expert layout for --format {ns.format}")
+    for run, folder in zip((ns.ckpt, ns.low_noise_ckpt), folders):
+        export_released(run, out / folder, ns.format, use_ema=ns.ema, dtype=ns.dtype)
+    return out
 
 
 def cmd_ckpt_import(ns) -> int:
@@ -98,6 +125,9 @@ def register(sub) -> None:
     q.add_argument("out")
     q.add_argument("--ema", action="store_true", help="export the EMA weights")
     q.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    q.add_argument("--low-noise-ckpt", metavar="CKPT", help="two experts (Wan 2.2 A14B): CKPT is the high-noise "
+                   "expert's run, this the low-noise one's; written in the release's two-folder layout (with "
+                   "--format wan: high_noise_model/ + low_noise_model/; diffusers: transformer/ + transformer_2/)")
     q.add_argument("--merge-lora", action="store_true", help="a LoRA run's checkpoint: write its base with the "
                    "adapters merged in (a whole model)")
     q.add_argument("--format", default="videodit", choices=("videodit", *EXPORT_LOADERS), help="opensora: an "

@@ -195,6 +195,8 @@ class ModelSpec:
     released_format: str = ""         # its id in an import's export.json ("opensora-stdit3")
     released_short: str = ""          # in messages about weights taken ("Open-Sora")
     released_takes_given_frames: bool = False   # its releases were trained with frame masks (``--ref``)
+    # export format -> (high-noise, low-noise) expert folders of a two-expert model in that layout
+    expert_folders: dict[str, tuple[str, str]] = {}
     released_fix: str = ""            # what to set when released weights do not fit the model
     export_formats: tuple[str, ...] = ()   # ``ckpt export --format`` values besides videodit's own
 

@@ -60,6 +60,8 @@ class WanSpec(ModelSpec):
     released_short = "Wan"
     released_fix = "use a Wan preset of the same size (model.preset=wan2.1-t2v-1.3b or wan2.1-t2v-14b)"
     export_formats = layouts.LAYOUTS   # ("wan", "diffusers")
+    # Wan 2.2 A14B's download, and diffusers' WanPipeline (transformer = high noise, transformer_2 = low)
+    expert_folders = {"wan": ("high_noise_model", "low_noise_model"), "diffusers": ("transformer", "transformer_2")}
     # Where a block's inputs are indexed by token, for sequence parallelism: x [B, L, D] on dim 1,
     # e0 on dim 1 when it is per token ([B, L, 6, D], 4 dims; [B, 6, D] stays whole), rope on dim 0.
     sequence_args = {0: 1, 1: (1, 4), 3: 0}
