@@ -234,9 +234,8 @@ class Pipeline:
         self.expert_guidance = None
         if low_noise is not None:
             self._add_low_noise_expert(LoadedCheckpoint(low_noise), use_ema)
-        # A model that takes a reference natively (an i2v model's first frame, a ti2v model's image)
-        # was trained with one; otherwise only frame-mask training taught it given frames.
-        # A Wan i2v/ti2v model was trained with an image: it takes a reference natively, one frame.
+        # A Wan i2v/ti2v model was trained with an image: it takes a reference natively, one frame;
+        # any other model learnt given frames only from frame-mask training.
         self.image_model = getattr(getattr(self.model, "geometry", None), "task", "t2v") != "t2v"
         self.frame_masks = self.image_model or trained_with_frame_masks(self.cfg, getattr(ckpt, "export_info", None))
 
