@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_wan_vae_fixtures import randomise  # noqa: E402  (the 2.1 fixtures' random weights)
+from make_wan_vae_fixtures import _einops_stand_in, randomise  # noqa: E402  (shared with the 2.1 fixtures)
 
 FRAMES = {1: 1, 5: 2, 9: 1}   # frame count -> clips
 HEIGHT, WIDTH = 32, 48
@@ -66,33 +66,6 @@ TINY = dict(dim=4, dec_dim=3, z_dim=48, dim_mult=[1, 2, 2, 2], num_res_blocks=2,
 # temperal_downsample=[False, True, True], z_dim=48) and leaves dec_dim at WanVAE_'s default 256.
 RELEASED = dict(dim=160, dec_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                 temperal_downsample=[False, True, True], dropout=0.0)
-
-
-def _einops_stand_in() -> None:
-    """``einops.rearrange`` for the patterns wan/modules/vae2_2.py uses (only when einops is absent)."""
-    def rearrange(x: torch.Tensor, pattern: str, **sizes: int) -> torch.Tensor:
-        pattern = " ".join(pattern.replace("->", " -> ").split())
-        if pattern == "b c t h w -> (b t) c h w":
-            b, c, t, h, w = x.shape
-            return x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
-        if pattern == "(b t) c h w -> b c t h w":
-            t = sizes["t"]
-            bt, c, h, w = x.shape
-            return x.reshape(bt // t, t, c, h, w).permute(0, 2, 1, 3, 4)
-        if pattern == "b c f (h q) (w r) -> b (c r q) f h w":
-            q, r = sizes["q"], sizes["r"]
-            b, c, f, hq, wr = x.shape
-            x = x.reshape(b, c, f, hq // q, q, wr // r, r)
-            return x.permute(0, 1, 6, 4, 2, 3, 5).reshape(b, c * r * q, f, hq // q, wr // r)
-        if pattern == "b (c r q) f h w -> b c f (h q) (w r)":
-            q, r = sizes["q"], sizes["r"]
-            b, crq, f, h, w = x.shape
-            x = x.reshape(b, crq // (r * q), r, q, f, h, w)
-            return x.permute(0, 1, 4, 5, 3, 6, 2).reshape(b, crq // (r * q), f, h * q, w * r)
-        raise NotImplementedError(pattern)
-
-    sys.modules["einops"] = types.ModuleType("einops")
-    sys.modules["einops"].rearrange = rearrange
 
 
 def import_wan_vae(checkout: Path):

@@ -42,16 +42,27 @@ TINY = dict(dim=4, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=2, attn_scale
 
 
 def _einops_stand_in() -> None:
-    """``einops.rearrange`` for the two patterns wan/modules/vae.py uses (only when einops is absent)."""
+    """``einops.rearrange`` for the patterns wan/modules/vae.py (2.1) and vae2_2.py (2.2) use (only
+    when einops is absent)."""
     def rearrange(x: torch.Tensor, pattern: str, **sizes: int) -> torch.Tensor:
-        pattern = " ".join(pattern.split())
+        pattern = " ".join(pattern.replace("->", " -> ").split())
         if pattern == "b c t h w -> (b t) c h w":
             b, c, t, h, w = x.shape
             return x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
-        if pattern in ("(b t) c h w -> b c t h w", "(b t) c h w-> b c t h w"):
+        if pattern == "(b t) c h w -> b c t h w":
             t = sizes["t"]
             bt, c, h, w = x.shape
             return x.reshape(bt // t, t, c, h, w).permute(0, 2, 1, 3, 4)
+        if pattern == "b c f (h q) (w r) -> b (c r q) f h w":
+            q, r = sizes["q"], sizes["r"]
+            b, c, f, hq, wr = x.shape
+            x = x.reshape(b, c, f, hq // q, q, wr // r, r)
+            return x.permute(0, 1, 6, 4, 2, 3, 5).reshape(b, c * r * q, f, hq // q, wr // r)
+        if pattern == "b (c r q) f h w -> b c f (h q) (w r)":
+            q, r = sizes["q"], sizes["r"]
+            b, crq, f, h, w = x.shape
+            x = x.reshape(b, crq // (r * q), r, q, f, h, w)
+            return x.permute(0, 1, 4, 5, 3, 6, 2).reshape(b, crq // (r * q), f, h * q, w * r)
         raise NotImplementedError(pattern)
 
     sys.modules["einops"] = types.ModuleType("einops")

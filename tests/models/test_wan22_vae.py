@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from videodit.errors import UserError
-from videodit.models.vae import build_vae, vae_kinds
+from videodit.models.vae import build_vae
 from videodit.models.wan.vae import (WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, WanVAE, build_wan_vae, checkpoint_kind,
                                      load_wan_checkpoint, to_diffusers_name, wan22_vae_config)
 
@@ -37,8 +37,6 @@ TOLERANCE = 1e-5    # fp32, relative to the reference's max |value|; measured: 0
 BATCHED = 1e-4      # two clips in one pass (batched convolutions sum in another order); measured 8.6e-6
 SOURCES = {"pth": (str(PTH), None), "safetensors": (str(FIXTURE / "Wan2.2_VAE_tiny.safetensors"), None),
            "diffusers": (str(FOLDER), "vae")}
-needs_folder = pytest.mark.skipif(not META["diffusers_folder"]["written"],
-                                  reason="the fixture has no diffusers folder (made without --diffusers-converter)")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -133,8 +131,6 @@ def test_released_topology_agrees_with_diffusers_converter():
 @pytest.mark.parametrize("frames", FRAMES)
 def test_encode_matches_wan(source, frames, cases):
     """Clip by clip, as Wan's wrapper encodes (``micro_batch`` = the clip's frames)."""
-    if source == "diffusers" and not META["diffusers_folder"]["written"]:
-        pytest.skip("the fixture has no diffusers folder")
     path, subfolder = SOURCES[source]
     vae = build_wan_vae(path, subfolder, micro_batch=frames, kind="wan2.2")
     video = _video(cases, frames)
@@ -148,8 +144,6 @@ def test_encode_matches_wan(source, frames, cases):
 @pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("frames", FRAMES)
 def test_decode_matches_wan(source, frames, cases):
-    if source == "diffusers" and not META["diffusers_folder"]["written"]:
-        pytest.skip("the fixture has no diffusers folder")
     path, subfolder = SOURCES[source]
     vae = build_wan_vae(path, subfolder, micro_batch=frames, kind="wan2.2")
     video = vae.decode(cases[f"latents_{frames}"], num_frames=frames)
@@ -165,7 +159,6 @@ def test_several_clips_per_pass(vae, cases):
     assert _relative(vae.decode(cases["latents_5"], 5), cases["decoded_5"]) <= BATCHED
 
 
-@needs_folder
 def test_our_conversion_is_diffusers_conversion(vae, tmp_path):
     """The .pth converted by videodit's renaming is, tensor for tensor, the folder diffusers' converter
     wrote; saved with save_pretrained it loads back as the same VAE."""
@@ -181,7 +174,6 @@ def test_our_conversion_is_diffusers_conversion(vae, tmp_path):
     assert torch.equal(again.encode(video), vae.encode(video))
 
 
-@needs_folder
 def test_hub_config_keys_and_missing_tables(cases, tmp_path):
     """Wan-AI/Wan2.2-TI2V-5B-Diffusers' vae/config.json carries ``clip_output: false``, which diffusers
     0.42 no longer takes (ignored); a config without the tables gets Wan 2.2's, not diffusers'
@@ -200,7 +192,6 @@ def test_hub_config_keys_and_missing_tables(cases, tmp_path):
         assert _relative(loaded.encode(_video(cases, 9)), cases["latents_9"]) <= TOLERANCE
 
 
-@pytest.mark.skipif("wan2.2" not in vae_kinds(), reason="the Wan spec does not list vae.kind=wan2.2 yet")
 def test_build_vae_kind_wan22(cases):
     vae = build_vae("wan2.2", str(PTH), micro_batch=9)
     assert isinstance(vae, WanVAE) and vae.kind == "wan2.2"
@@ -331,8 +322,7 @@ def test_bad_paths_are_one_line_errors(tmp_path):
     shutil.copy(PTH, tmp_path / "ckpt" / "Wan2.2_VAE.pth")
     _one_line_error(lambda: build_wan_vae(str(tmp_path / "ckpt"), kind="wan2.2"),
                     r"holds Wan2\.2_VAE\.pth: point vae\.path to that file")
-    if META["diffusers_folder"]["written"]:
-        _one_line_error(lambda: build_wan_vae(str(FOLDER), kind="wan2.2"), r"has a vae/ folder: set vae\.subfolder=vae")
+    _one_line_error(lambda: build_wan_vae(str(FOLDER), kind="wan2.2"), r"has a vae/ folder: set vae\.subfolder=vae")
 
 
 def test_load_wan_checkpoint_keeps_wan21_default():
