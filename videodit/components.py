@@ -43,6 +43,32 @@ def build_encoders(cfg: Config, device: torch.device):
     return vae.to(device), text.to(device)
 
 
+def build_image_encoder(cfg: Config, device: torch.device) -> torch.nn.Module | None:
+    """The frozen image encoder of a model that embeds image features of the given frame
+    (``model.image_dim``: Wan 2.1 I2V's CLIP), from ``image_encoder.path``; None for other models."""
+    if cfg.model.image_dim is None:
+        return None
+    if not cfg.image_encoder.path:
+        raise UserError("model.image_dim: this model embeds CLIP features of the given frame; set image_encoder.path "
+                        "to its image encoder (a diffusers Wan I2V folder, its image_encoder/, or Wan's download with "
+                        "models_clip_*.pth)")
+    encoder = get_spec(cfg.model.family).build_image_encoder(cfg.image_encoder.path, DTYPES[cfg.image_encoder.dtype])
+    if encoder.dim != cfg.model.image_dim:
+        raise UserError(f"image_encoder.path={cfg.image_encoder.path} gives {encoder.dim}-wide features but "
+                        f"model.image_dim={cfg.model.image_dim}; point it at the model's own image encoder")
+    return encoder.to(device)
+
+
+def first_frame_features(image_encoder, video: torch.Tensor) -> torch.Tensor | None:
+    """The image features (``Conditions.image``) of each clip's first frame, ``video`` [B, 3, T, H,
+    W] in [-1, 1]; None without an image encoder. Wan encodes the image it is given at its own
+    size; here it is the clip's first frame at the bucket's size (CLIP squashes both to 224x224)."""
+    if image_encoder is None:
+        return None
+    with torch.no_grad():
+        return image_encoder.encode(video[:, :, 0]).float()
+
+
 def first_frame_given(model, vae, video: torch.Tensor) -> torch.Tensor | None:
     """The conditioning channels of a model that takes a given first frame (Wan i2v): ``video``
     [B, 3, T, H, W] in [-1, 1] with every frame after the first zero (mid-grey), through the VAE,
@@ -62,6 +88,26 @@ def model_geometry(cfg: Config, latent_channels: int, caption_channels: int):
 
 
 def build_model(cfg: Config, vae, text) -> torch.nn.Module:
-    """The model, with the parts ``model.freeze_*`` name excluded from training."""
+    """The model, with the parts ``model.freeze_*`` name excluded from training; with
+    ``model.expert=both``, the two experts of a two-expert model as one module."""
+    return model_of(cfg, model_geometry(cfg, vae.latent_channels, text.dim))
+
+
+def model_of(cfg: Config, geometry) -> torch.nn.Module:
+    """The model of ``geometry`` as ``cfg.model`` has it built (see :func:`build_model`)."""
     spec = get_spec(cfg.model.family)
-    return spec.configure(spec.build(model_geometry(cfg, vae.latent_channels, text.dim)), cfg.model)
+
+    def one():
+        return spec.configure(spec.build(geometry), cfg.model)
+    if cfg.model.expert == "both":
+        return spec.combine_experts(one(), one(), cfg.model.expert_boundary)
+    return one()
+
+
+def one_model_tensors(cfg: Config, tensors: dict) -> dict:
+    """The tensors of one whole model in a state dict of ``cfg``'s model: the high-noise expert's
+    of a ``model.expert=both`` model (both have the same sizes), else all of them."""
+    if cfg.model.expert != "both":
+        return tensors
+    prefix = get_spec(cfg.model.family).expert_prefixes[0]
+    return {name.removeprefix(prefix): t for name, t in tensors.items() if name.startswith(prefix)}

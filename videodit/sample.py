@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from videodit.components import first_frame_given
+from videodit.components import first_frame_features, first_frame_given
 from videodit.data.prompts import prepare_prompts
 from videodit.data.video_write import write_video
 from videodit.diffusion import flow_unipc
 from videodit.diffusion.rectified_flow import RectifiedFlow
 from videodit.errors import UserError
-from videodit.models.families import spec_of
+from videodit.models.families import get_spec, spec_of
 from videodit.models.spec import Conditions
 
 
@@ -29,24 +29,25 @@ Guidance = float | Callable[[torch.Tensor], float]   # a CFG scale, or one by ti
 def generate(model, vae, text, flow: RectifiedFlow, prompts: list[str], *, num_frames: int,
              height: int, width: int, steps: int, guidance: Guidance, fps: float, seed: int,
              device: torch.device, batch_size: int = 16, reference: torch.Tensor | None = None,
-             sampler: str = "euler", negative_prompt: str | None = None) -> np.ndarray:
+             sampler: str = "euler", negative_prompt: str | None = None, image_encoder=None) -> np.ndarray:
     """Sample one clip per prompt: uint8 [N, T, H, W, 3]. ``reference``: pixel frames
     [3, T_ref, height, width] in [-1, 1] that open every clip (image-to-video, continuation).
     ``sampler``: euler or unipc (Wan's); ``negative_prompt``: CFG's unconditional branch for
-    families that sample with one (Wan)."""
+    families that sample with one (Wan); ``image_encoder``: the reference frame's image features for a
+    model that embeds them (Wan 2.1 I2V's CLIP), in both CFG branches as Wan does. Prompt k's noise depends only on (``seed``, k)
+    (:func:`prompt_noise`), not on the other prompts or the batch size."""
     model.eval()
     clips = []
-    generator = torch.Generator().manual_seed(seed)
     t_lat, h_lat, w_lat = vae.latent_size(num_frames, height, width)
     ratio = flow.shift_ratio(height, width, t_lat)
     spec = spec_of(model)
-    channels = None
+    channels = image = None
     if spec.takes_first_frame(model.geometry):   # Wan i2v: the reference's first frame enters as channels
         if reference is None:
             raise UserError("this model generates from an image (an i2v model): give one with --ref IMAGE")
         clip = torch.zeros(1, 3, num_frames, height, width, device=device)
         clip[:, :, 0] = reference[:, 0].to(device)
-        channels, reference = first_frame_given(model, vae, clip), None
+        channels, image, reference = first_frame_given(model, vae, clip), first_frame_features(image_encoder, clip), None
     given = None if reference is None else given_latents(model, vae, reference, t_lat, device)
     negative = None if negative_prompt is None else text.encode([negative_prompt])
     for start in range(0, len(prompts), batch_size):
@@ -54,32 +55,42 @@ def generate(model, vae, text, flow: RectifiedFlow, prompts: list[str], *, num_f
         n = len(chunk)
         y, y_mask = text.encode(chunk)
         fps_t = torch.full((n,), float(fps), device=device)
-        noise = torch.randn((n, vae.latent_channels, t_lat, h_lat, w_lat), generator=generator).to(device)
+        noise = torch.stack([prompt_noise((vae.latent_channels, t_lat, h_lat, w_lat), seed, start + i)
+                             for i in range(n)]).to(device)
         latents = denoise(model, flow, noise, y, y_mask, steps=steps, guidance=guidance, ratio=ratio, fps=fps_t,
                           height=height, width=width, given=given, sampler=sampler, negative=negative,
-                          channels=None if channels is None else channels.expand(n, *channels.shape[1:]))
+                          channels=None if channels is None else channels.expand(n, *channels.shape[1:]),
+                          image=None if image is None else image.expand(n, *image.shape[1:]))
         video = vae.decode(latents, num_frames)                      # [N, 3, T, H, W] in [-1, 1]
         frames = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
         clips.append(frames.permute(0, 2, 3, 4, 1).cpu().numpy())
     return np.concatenate(clips)
 
 
+def prompt_noise(shape: tuple[int, ...], seed: int, index: int) -> torch.Tensor:
+    """The starting noise of prompt ``index``, from (``seed``, ``index``) alone: sample k of a
+    training run starts from the same noise at every step, so its clips show what the steps changed."""
+    mixed = np.random.SeedSequence((seed & (2**64 - 1), index)).generate_state(1, np.uint64)[0]
+    return torch.randn(shape, generator=torch.Generator().manual_seed(int(mixed)))
+
+
 def denoise(model, flow: RectifiedFlow, noise: torch.Tensor, y: torch.Tensor, y_mask: torch.Tensor, *, steps: int,
             guidance: Guidance, ratio: float = 1.0, fps: torch.Tensor | None = None, height=None,
             width=None, given: "GivenFrames | None" = None, sampler: str = "euler",
             negative: tuple[torch.Tensor, torch.Tensor] | None = None,
-            channels: torch.Tensor | None = None) -> torch.Tensor:
+            channels: torch.Tensor | None = None, image: torch.Tensor | None = None) -> torch.Tensor:
     """Latents from ``noise`` [N, C, T, H, W]: Euler steps (``sampler="unipc"``: Wan's UniPC, with
     ``ratio`` its shift) with classifier-free guidance (the unconditional branch is the family's:
     STDiT's learned null caption, or ``negative``, the encoded negative prompt). ``height``/``width``: the clip's pixel size, which Open-Sora's
     position table needs. ``given``: conditioning frames, kept as given at every step and marked
     for the model by ``x_mask``; ``channels``: the given first frame's input channels of an i2v
-    model (``Conditions.given``), in both CFG branches as Wan does."""
+    model (``Conditions.given``) and ``image`` its image features (``Conditions.image``), both in
+    both CFG branches as Wan does."""
     spec = spec_of(model)
     n = noise.shape[0]
     keep = torch.zeros(n, dtype=torch.bool, device=noise.device)
     x_mask = None if given is None else given.x_mask.expand(n, -1)
-    cond = Conditions(y, y_mask, keep, fps, height, width, x_mask, given=channels)
+    cond = Conditions(y, y_mask, keep, fps, height, width, x_mask, image=image, given=channels)
     uncond = spec.unconditional(cond, negative)
 
     def velocity(conditions):
@@ -168,6 +179,15 @@ def trained_with_frame_masks(cfg, export_info: dict | None = None) -> bool:
                for spec in families().values())
 
 
+def guidance_of(cfg) -> float | Callable[[torch.Tensor], float]:
+    """A run's CFG scale: ``sample.cfg``, or for a ``model.expert=both`` run each expert's own
+    (``sample.expert_cfg`` = [low, high], else ``sample.cfg`` for both) by time."""
+    if cfg.model.expert != "both":
+        return cfg.sample.cfg
+    low, high = cfg.sample.expert_cfg or (cfg.sample.cfg, cfg.sample.cfg)
+    return get_spec(cfg.model.family).expert_guidance(cfg.model.expert_boundary, (low, high))
+
+
 def expert_boundary(high_cfg, low_cfg, high_path, low_path) -> float:
     """Where two experts trained apart meet: the lower edge of the high-noise run's
     ``diffusion.timestep_range`` ([boundary, 1]), which the low-noise run's (if set) must end at."""
@@ -218,7 +238,7 @@ class Pipeline:
         expert of a two-expert model (Wan 2.2 A14B): they switch at the lower edge of the high
         run's ``diffusion.timestep_range``, each guided by its own run's ``sample.cfg``."""
         from videodit.checkpoint import LoadedCheckpoint
-        from videodit.components import build_encoders
+        from videodit.components import build_encoders, build_image_encoder
         from videodit.config import from_yaml
         from videodit.parallel.distributed import pick_device
 
@@ -226,12 +246,12 @@ class Pipeline:
         self.cfg = from_yaml(ckpt.config_yaml(), f"the config of {ckpt.path}")
         self.device = pick_device(device)
         self.vae, self.text = build_encoders(self.cfg, self.device)
+        self.image_encoder = build_image_encoder(self.cfg, self.device)   # Wan 2.1 I2V's CLIP, else None
         self.model, self.weights = self._load(ckpt, self.cfg, use_ema)
-        if (missing := spec_of(self.model).not_built(self.model.geometry)) is not None:
-            raise UserError(missing)
         self.flow = RectifiedFlow(self.cfg.diffusion)
         self.checkpoint = ckpt.path
-        self.expert_guidance = None
+        guidance = guidance_of(self.cfg)   # two experts trained in one run: each its own scale
+        self.expert_guidance = None if isinstance(guidance, float) else guidance
         if low_noise is not None:
             self._add_low_noise_expert(LoadedCheckpoint(low_noise), use_ema)
         # A Wan i2v/ti2v model was trained with an image: it takes a reference natively, one frame;
@@ -260,11 +280,14 @@ class Pipeline:
         timestep ranges meet."""
         from videodit.config import from_yaml
 
+        if self.cfg.model.expert == "both":
+            raise UserError(f"{self.checkpoint} holds both experts already (model.expert=both); drop --low-noise-ckpt")
         cfg = from_yaml(ckpt.config_yaml(), f"the config of {ckpt.path}")
         boundary = expert_boundary(self.cfg, cfg, self.checkpoint, ckpt.path)
         low, _ = self._load(ckpt, cfg, use_ema)
-        self.model, self.expert_guidance = spec_of(self.model).combine_experts(
-            self.model, low, boundary, (cfg.sample.cfg, self.cfg.sample.cfg))
+        spec = spec_of(self.model)
+        self.model = spec.combine_experts(self.model, low, boundary)
+        self.expert_guidance = spec.expert_guidance(boundary, (cfg.sample.cfg, self.cfg.sample.cfg))
 
     def resolve(self, num_frames: int | None = None, height: int | None = None,
                 width: int | None = None) -> dict[str, int]:
@@ -304,4 +327,5 @@ class Pipeline:
                   file=sys.stderr, flush=True)
         return generate(self.model, self.vae, self.text, self.flow, prompts, **size, steps=steps,
                         guidance=scale, fps=fps or sample.fps, seed=seed, device=self.device, reference=ref,
-                        sampler=sample.sampler, negative_prompt=sample.negative_prompt)
+                        sampler=sample.sampler, negative_prompt=sample.negative_prompt,
+                        image_encoder=self.image_encoder)

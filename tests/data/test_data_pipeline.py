@@ -52,9 +52,9 @@ def test_bucketed_training_uses_every_bucket_shape(mixed_toy, tmp_path):
     shapes = set()
     original = trainer.prepare
 
-    def recording_prepare(batch):
+    def recording_prepare(batch, *args):
         shapes.add(tuple(batch.video.shape[2:]))
-        return original(batch)
+        return original(batch, *args)
 
     trainer.prepare = recording_prepare
     trainer.fit()

@@ -70,7 +70,7 @@ def test_inductor_follows_eager_on_two_bucket_shapes_with_one_graph_per_block_ki
     compiled = Trainer(load_config("tiny", run + ["train.compile=true"]), tmp_path / "compiled")
     shapes = set()
     prepare = compiled.prepare
-    compiled.prepare = lambda batch: (shapes.add(tuple(batch.video.shape[2:])), prepare(batch))[1]
+    compiled.prepare = lambda batch, *args: (shapes.add(tuple(batch.video.shape[2:])), prepare(batch, *args))[1]
     compiled.fit()
 
     assert shapes == {(4, 16, 16), (4, 24, 24)}

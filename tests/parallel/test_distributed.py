@@ -255,20 +255,26 @@ def test_wan_layouts_match_one_process(toy_dir, tmp_path, nproc):
         assert_matches(got[name], references[accum[name]])
 
 
-@pytest.mark.parametrize("condition", ["frame masks", "i2v first frame"])
+@pytest.mark.parametrize("condition", ["frame masks", "i2v first frame", "i2v clip"])
 def test_wan_image_conditioning_matches_one_process(toy_dir, tmp_path, condition):
-    """Wan with a given first frame, both ways: TI2V's (the frame's tokens at time 0, a per-token
-    modulation that Ulysses SP slices with its tokens) and i2v's (mask and latents as input
-    channels): SP, TP and PP match one process."""
-    extra = ({"diffusion.mask_ratios": "{'image_head': 0.5}", "model.task": "ti2v"} if condition == "frame masks"
-             else {"model.task": "i2v", "data.num_frames": 5})
+    """Wan with a given first frame, three ways: TI2V's (the frame's tokens at time 0, a per-token
+    modulation that Ulysses SP slices with its tokens), i2v's (mask and latents as input
+    channels) and Wan 2.1 I2V's (also CLIP features, through k_img/v_img that TP shards by
+    heads): FSDP2, SP, TP and PP (not with CLIP: refused) match one process."""
+    clip = Path(__file__).parents[1] / "fixtures" / "wan_clip" / "diffusers"
+    extra = {"frame masks": {"diffusion.mask_ratios": "{'image_head': 0.5}", "model.task": "ti2v"},
+             "i2v first frame": {"model.task": "i2v", "data.num_frames": 5},
+             "i2v clip": {"model.task": "i2v", "data.num_frames": 5, "model.image_dim": 32,
+                          "image_encoder.path": str(clip)}}[condition]
     video = wan(toy_dir, **extra)
-    runs = {"sp": video + ["parallel.sp=2"], "tp": video + ["parallel.tp=2"],
-            "pp": pipeline_schedules(video)["pp_1f1b"]}
+    runs = {"fsdp": video + ["parallel.dp_shard=2"], "sp": video + ["parallel.sp=2"], "tp": video + ["parallel.tp=2"]}
+    if condition != "i2v clip":
+        runs["pp"] = pipeline_schedules(video)["pp_1f1b"]
     got = run_layouts(toy_dir, tmp_path, 2, runs)
     reference = single_process(video, tmp_path / "ref")
+    two_batches = single_process(video + ["train.grad_accum=2"], tmp_path / "ref2")   # FSDP's 2 ranks' batches
     for name in runs:
-        assert_matches(got[name], reference)
+        assert_matches(got[name], two_batches if name == "fsdp" else reference)
     if condition == "frame masks":   # the masks did change the training
         unmasked = single_process(wan(toy_dir), tmp_path / "unmasked")
         assert max((unmasked[0][k] - v).abs().max().item() for k, v in reference[0].items()) > 1e-4

@@ -48,6 +48,7 @@ SINGLE = {
     "tiny-video-selective-every-2": ("tiny", {"memory.checkpointing": "selective", "memory.checkpoint_every": 2},
                                      (4, 8, 16, 16)),
     "S-video": ("S", {}, (2, 8, 32, 32)),
+
     "S-image-full-checkpointing": ("S", {"memory.checkpointing": "full"}, (4, 1, 64, 48)),
 }
 
@@ -63,6 +64,20 @@ def test_planner_matches_measurement_on_one_process(name, toy_dir, tmp_path):
     # Peak: the prediction is an upper bound (it adds the categories), but not a loose one.
     assert measured["peak"] <= predicted["activations"] + predicted["temporaries"] + predicted["grads"] \
         + predicted["optimizer"]
+
+
+def test_planner_holds_both_experts_and_trains_one(toy_dir, tmp_path):
+    """model.expert=both: both experts' weights are held, one expert's gradients and activations
+    per step; the other's optimizer state appears at its first step (the plan is the steady state)."""
+    cfg = load_config("tiny", preset_overrides(toy_dir, "wan-tiny", **{
+        "model.expert": "both", "model.expert_boundary": 0.5, "text.max_length": 16}))
+    measured = measure_trainer(Trainer(cfg, tmp_path / "run"), synthetic_batch(2, 4, 16, 16)).as_dict()
+    predicted = planner_from_config(cfg, gpu_bytes=1).estimate(2, 4, 16, 16).as_dict()
+    assert_close(measured, {**predicted, "optimizer": predicted["optimizer"] / 2}, "both experts")
+    one = planner_from_config(load_config("tiny", preset_overrides(toy_dir, "wan-tiny", **{"text.max_length": 16})),
+                              gpu_bytes=1).estimate(2, 4, 16, 16).as_dict()
+    assert (predicted["params"], predicted["optimizer"], predicted["grads"]) == \
+        (2 * one["params"], 2 * one["optimizer"], one["grads"])
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "full"])

@@ -84,8 +84,8 @@ def test_a_bf16_cache_gives_the_losses_of_bf16_rounded_features(toy_dir, tmp_pat
         encode = trainer.features
 
         def rounded(batch):
-            x0, y, y_mask, size, given = encode(batch)
-            return x0.bfloat16().float(), y.bfloat16().float(), y_mask, size, given
+            x0, y, y_mask, *rest = encode(batch)   # rest: the pixel size and any first-frame conditions
+            return x0.bfloat16().float(), y.bfloat16().float(), y_mask, *rest
         trainer.features = rounded
 
     train(common, tmp_path / "fly", patch=round_features)

@@ -3,6 +3,7 @@ exact resume, export in Wan's and diffusers' layouts read back by ``load_pretrai
 sampling with Wan's UniPC and a negative prompt (``denoise`` against the sampler itself)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,18 +109,20 @@ def test_wan_ti2v_trains_with_its_image_frame_given_and_samples_from_a_reference
     assert clips.shape[1] == 5 and abs(float(clips[0, 0].mean()) - 200) < 3   # the given frame, identity VAE
 
 
-def test_wan_i2v_trains_on_its_first_frame_and_samples_from_an_image(toy_dir, tmp_path, capsys):
-    """An i2v model (Wan 2.2 I2V-A14B's kind: 36 channels = latent, mask, given frame's latents) trains
-    with each clip's first frame given as Wan builds it, resumes exactly, exports as i2v, and samples
-    only from an image; Wan 2.1 I2V's CLIP features are refused in one line (not built yet)."""
+@pytest.mark.parametrize("clip", [False, True], ids=["i2v", "i2v-clip"])
+def test_wan_i2v_trains_on_its_first_frame_and_samples_from_an_image(toy_dir, tmp_path, capsys, clip):
+    """An i2v model (Wan 2.2 I2V-A14B's kind: 36 channels = latent, mask, given frame's latents; with
+    ``clip``, Wan 2.1 I2V's: also CLIP features of that frame) trains with each clip's first frame
+    given as Wan builds it, resumes exactly, exports as i2v, and samples only from an image."""
     import numpy as np
 
     from videodit.data.video_write import write_video
     from videodit.errors import UserError
     from videodit.sample import Pipeline
 
+    image = {"model.image_dim": 32, "image_encoder.path": str(CLIP_ENCODER)} if clip else {}   # the tiny CLIP's width
     common = tiny_overrides(toy_dir, **WAN, **{"model.task": "i2v", "train.max_steps": 4, "train.deterministic": True,
-                                                "checkpoint.every_steps": 2, "data.num_frames": 5})
+                                                "checkpoint.every_steps": 2, "data.num_frames": 5, **image})
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     trainer = Trainer(load_config("tiny", common), straight)
     assert trainer.model.geometry.in_channels == 2 * 3 + 4   # identity VAE: 3 latent channels
@@ -139,10 +142,27 @@ def test_wan_i2v_trains_on_its_first_frame_and_samples_from_an_image(toy_dir, tm
     capsys.readouterr()
     clips = pipeline(["a red circle moving right"], steps=2, seed=0, reference=str(reference))
     assert clips.shape[1] == 5 and "warning" not in capsys.readouterr().err
+    if clip:   # the image features entered the model: the same run without them samples otherwise
+        assert pipeline.image_encoder is not None
+        pipeline.image_encoder = ZeroFeatures(pipeline.image_encoder)
+        assert not (pipeline(["a red circle moving right"], steps=2, seed=0, reference=str(reference)) == clips).all()
+        missing = [o for o in common if not o.startswith("image_encoder.path")]
+        assert main(["train", "--out", str(tmp_path / "no-clip"), *missing]) == 2
+        assert "set image_encoder.path" in capsys.readouterr().err and not (tmp_path / "no-clip").exists()
 
-    clip = tiny_overrides(toy_dir, **WAN, **{"model.task": "i2v", "model.image_dim": 32})
-    assert main(["train", "--out", str(tmp_path / "clip"), *clip]) == 2
-    assert not (tmp_path / "clip").exists()
+
+CLIP_ENCODER = Path(__file__).parents[1] / "fixtures" / "wan_clip" / "diffusers"
+
+
+class ZeroFeatures(torch.nn.Module):
+    """An image encoder whose features are all zero (the shape of ``encoder``'s)."""
+
+    def __init__(self, encoder):
+        super().__init__()
+        self.encoder = encoder
+
+    def encode(self, frames):
+        return torch.zeros_like(self.encoder.encode(frames))
 
 
 def test_two_experts_trained_apart_sample_together(toy_dir, tmp_path, capsys):

@@ -10,6 +10,7 @@ Modules, each importing only the ones above it:
     manager.py  CheckpointManager: when to save, retention, event log, async saves
     tools.py    ckpt list / inspect / export
     convert.py  ckpt import / export --format FORMAT (a family's released weights)
+    lora_formats.py, lora_export.py   ckpt export --lora-format: a LoRA run's adapters for diffusers, ComfyUI, peft
 """
 
 from videodit.checkpoint.convert import export_released, import_released

@@ -15,10 +15,12 @@ from pathlib import Path
 
 import torch
 
+from videodit.checkpoint.experts import expert_folders, experts_run, split_experts, write_experts
 from videodit.checkpoint.io import EXPORT_RECORD, EXPORT_RUN_CONFIG, is_export_dir
 from videodit.checkpoint.loaded import LoadedCheckpoint
 from videodit.checkpoint.tools import (check_new_folder, checkpoint_weights, export_dtype, run_geometry,
                                       write_model_folder)
+from videodit.config import from_yaml
 from videodit.errors import UserError
 from videodit.models.families import families, released_spec, spec_for_model_type, spec_of
 from videodit.user_files import read_user_json
@@ -51,13 +53,24 @@ def export_released(ckpt: str | Path, out_dir: str | Path, fmt: str, use_ema: bo
     loads; Wan's ``wan`` and ``diffusers``) from a videodit checkpoint, export or model folder."""
     target = export_dtype(dtype)
     check_new_folder(out_dir)
-    geometry, tensors = _videodit_weights(Path(ckpt), use_ema)
-    spec = spec_of(geometry)
-    if fmt not in spec.export_formats:
-        raise UserError(f"--format {fmt} does not apply to a {spec.family} model; it exports as: "
-                        f"{', '.join(('videodit',) + spec.export_formats)}")
-    state, files, weights_name = spec.export_released(fmt, geometry, tensors)
-    return write_model_folder(out_dir, _cast(state, target), files, weights_name=weights_name)
+
+    def write(folder: Path, geometry, tensors: dict) -> Path:
+        spec = spec_of(geometry)
+        if fmt not in spec.export_formats:
+            raise UserError(f"--format {fmt} does not apply to a {spec.family} model; it exports as: "
+                            f"{', '.join(('videodit',) + spec.export_formats)}")
+        state, files, weights_name = spec.export_released(fmt, geometry, tensors)
+        weights_name = weights_name.replace("{folder}", Path(folder).name)   # one file named after its folder
+        return write_model_folder(folder, _cast(state, target), files, weights_name=weights_name)
+    path = Path(ckpt)
+    if not is_export_dir(path):
+        loaded = LoadedCheckpoint(path)
+        if experts_run(loaded.config_yaml()):   # both experts of one run: the release's two folders
+            tensors, _ = checkpoint_weights(loaded, use_ema)
+            family = from_yaml(loaded.config_yaml(), "the checkpoint's config.yaml").model.family
+            return write_experts(out_dir, expert_folders(family, fmt), split_experts(tensors, loaded.config_yaml()),
+                                 lambda folder, own, config: write(folder, run_geometry(config, own), own))
+    return write(Path(out_dir), *_videodit_weights(path, use_ema))
 
 
 def _videodit_weights(path: Path, use_ema: bool):

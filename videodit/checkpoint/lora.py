@@ -31,15 +31,12 @@ from torch import nn
 from videodit.config.load import parse_yaml
 from videodit.checkpoint.io import warn
 from videodit.checkpoint.loaded import LoadedCheckpoint
-from videodit.components import model_geometry
+from videodit.components import model_geometry, model_of, one_model_tensors
 from videodit.config import Config, LoraConfig, from_yaml
 from videodit.errors import UserError, os_error_message
 from videodit.models.lora import add_adapters, is_adapter_name, merge_adapters
 from videodit.models.families import get_spec, released_spec
 from videodit.user_files import NotRegularFile, open_user_file
-
-# Files that hold weights in a released folder (fingerprinted by base_record).
-WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 
 
 def init_weights(source: str | Path) -> tuple[dict[str, torch.Tensor], str]:
@@ -71,9 +68,9 @@ def base_record(source: str | Path, known: dict | None = None) -> dict:
     write since can leave the key as it was), and a file recorded in the old sampled kind
     (``size:sha256`` of its first and last 4 MiB) is fingerprinted that way, to compare."""
     known = known or {}
-    if released_spec(source) is not None:
+    if (spec := released_spec(source)) is not None:
         path = Path(source).resolve()
-        files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.suffix in WEIGHT_SUFFIXES)
+        files = spec.released_files(path)
         named = {(f.name if f == path else str(f.relative_to(path))): (f, None) for f in files}
     else:
         ckpt = LoadedCheckpoint(source)
@@ -209,10 +206,10 @@ def lora_model(cfg: Config, base: str | Path, adapters: dict[str, torch.Tensor],
     (fp32, CPU); ``merge``: folded into the weights."""
     weights, _ = init_weights(base)
     try:
-        spec = get_spec(cfg.model.family)
-        geometry = model_geometry(cfg, latent_channels=spec.latent_channels(weights),
-                                  caption_channels=spec.caption_channels(weights))
-        model = spec.build(geometry)
+        spec, one = get_spec(cfg.model.family), one_model_tensors(cfg, weights)
+        geometry = model_geometry(cfg, latent_channels=spec.latent_channels(one),
+                                  caption_channels=spec.caption_channels(one))
+        model = model_of(cfg, geometry)
         model.load_state_dict({name: t.float() if t.is_floating_point() else t for name, t in weights.items()})
     except (KeyError, RuntimeError) as exc:
         raise UserError(f"the LoRA base {base} does not fit the model of {what} "

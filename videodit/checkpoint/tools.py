@@ -30,7 +30,7 @@ from videodit.checkpoint.loaded import LoadedCheckpoint
 from videodit.checkpoint.lora import adapted_model, lora_config, merge_record, merged_run_config
 from videodit.checkpoint.manager import _pid_alive, best_checkpoints, read_events
 from videodit.checkpoint.writer import fsync_path, write_safetensors
-from videodit.components import model_geometry
+from videodit.components import model_geometry, one_model_tensors
 from videodit.config import from_yaml
 from videodit.errors import UserError
 from videodit.user_files import read_user_json
@@ -270,20 +270,26 @@ def export(ckpt: str | Path, out_dir: str | Path, use_ema: bool = False, dtype: 
     ``merge_lora``: a LoRA run's checkpoint, its adapters merged into its base (a whole model).
     ``out_dir`` must not exist or be empty; nothing is left behind on failure.
     """
+    from videodit.checkpoint.experts import expert_folders, experts_run, split_experts, write_experts
+
     target = export_dtype(dtype)
     check_new_folder(out_dir)
     loaded = LoadedCheckpoint(ckpt)
     tensors, weights = checkpoint_weights(loaded, use_ema, merge_lora)
     tensors = {k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()}
     run_config = merged_run_config(loaded.config_yaml()) if merge_lora else loaded.config_yaml()
-    geometry = run_geometry(run_config, tensors)
-    files = {"config.json": json.dumps(spec_of(geometry).geometry_config(geometry), indent=1) + "\n",
-             EXPORT_RUN_CONFIG: run_config,
-             EXPORT_RECORD: json.dumps({"step": loaded.step, "weights": weights, "dtype": dtype,
-                                        "source": str(loaded.path),
-                                        **({"merged_lora": merge_record(loaded)} if merge_lora else {})},
-                                       indent=1) + "\n"}
-    return write_model_folder(out_dir, tensors, files)
+    record = json.dumps({"step": loaded.step, "weights": weights, "dtype": dtype, "source": str(loaded.path),
+                         **({"merged_lora": merge_record(loaded)} if merge_lora else {})}, indent=1) + "\n"
+
+    def write(folder: Path, tensors: dict, run_config: str) -> Path:
+        geometry = run_geometry(run_config, tensors)
+        files = {"config.json": json.dumps(spec_of(geometry).geometry_config(geometry), indent=1) + "\n",
+                 EXPORT_RUN_CONFIG: run_config, EXPORT_RECORD: record}
+        return write_model_folder(folder, tensors, files)
+    if experts_run(run_config):   # both experts of one run: a folder each
+        family = from_yaml(run_config, "the checkpoint's config.yaml").model.family
+        return write_experts(out_dir, expert_folders(family, "videodit"), split_experts(tensors, run_config), write)
+    return write(Path(out_dir), tensors, run_config)
 
 
 def export_dtype(dtype: str) -> torch.dtype:
@@ -322,6 +328,13 @@ def write_model_folder(out_dir: str | Path, tensors: dict[str, torch.Tensor], fi
                        verb: str = "export", weights_name: str = "model.safetensors") -> Path:
     """``tensors`` as ``weights_name`` and the text ``files`` in the new folder ``out_dir``,
     atomically: written into a staging folder, fsynced and renamed; nothing is left on failure."""
+    return write_folder(out_dir, {weights_name: (tensors, {"format": "pt"})}, files, verb)
+
+
+def write_folder(out_dir: str | Path, weights: dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]],
+                 files: dict[str, str], verb: str = "export") -> Path:
+    """:func:`write_model_folder` for any number of safetensors files (``{relative name: (tensors,
+    metadata)}``, in subfolders too) beside the text ``files``."""
     out_dir = Path(out_dir)
     check_new_folder(out_dir)
     parent = out_dir.parent
@@ -332,7 +345,10 @@ def write_model_folder(out_dir: str | Path, tensors: dict[str, torch.Tensor], fi
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         (staging / STAGING_OWNER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
-        write_safetensors(staging / weights_name, tensors, {"format": "pt"})
+        for name in {str(Path(name).parent) for name in (*weights, *files)} - {"."}:
+            (staging / name).mkdir(parents=True, exist_ok=True)
+        for name, (tensors, metadata) in weights.items():
+            write_safetensors(staging / name, tensors, metadata)
         for name, text in files.items():
             with open(staging / name, "w") as handle:
                 handle.write(text)
@@ -398,5 +414,5 @@ def run_geometry(run_config: str, tensors: dict[str, torch.Tensor]):
     weights (so no encoder has to be loaded to export)."""
     cfg = from_yaml(run_config, "the checkpoint's config.yaml")
     spec = get_spec(cfg.model.family)
-    return model_geometry(cfg, latent_channels=spec.latent_channels(tensors),
-                          caption_channels=spec.caption_channels(tensors))
+    one = one_model_tensors(cfg, tensors)   # an expert's, in a run of both
+    return model_geometry(cfg, latent_channels=spec.latent_channels(one), caption_channels=spec.caption_channels(one))

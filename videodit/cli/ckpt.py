@@ -29,12 +29,16 @@ def cmd_ckpt_inspect(ns) -> int:
 
 # ``ckpt export --format`` values besides videodit's own, and what loads each.
 EXPORT_LOADERS = {"opensora": "Open-Sora's STDiT3.from_pretrained", "wan": "Wan's WanModel.from_pretrained",
-                  "diffusers": "diffusers' WanTransformer3DModel.from_pretrained"}
+                  "diffusers": "diffusers' WanTransformer3DModel.from_pretrained",
+                  "comfyui": "ComfyUI's Load Diffusion Model node, from ComfyUI/models/diffusion_models/"}
 
 
 def cmd_ckpt_export(ns) -> int:
     from videodit.checkpoint import export, export_released
 
+    if ns.lora_format is not None:   # the adapters alone: cli/ckpt_lora.py
+        from videodit.cli.ckpt_lora import cmd_export_lora
+        return cmd_export_lora(ns)
     if ns.format != "videodit":
         if ns.merge_lora:
             raise UserError("--merge-lora writes a videodit model folder: export it without --format, then export "
@@ -130,9 +134,14 @@ def register(sub) -> None:
                    "--format wan: high_noise_model/ + low_noise_model/; diffusers: transformer/ + transformer_2/)")
     q.add_argument("--merge-lora", action="store_true", help="a LoRA run's checkpoint: write its base with the "
                    "adapters merged in (a whole model)")
+    q.add_argument("--lora-format", choices=("diffusers", "comfyui", "peft"), help="a LoRA run's adapters alone, "
+                   "for diffusers' load_lora_weights, ComfyUI's LoRA loaders or peft's PeftModel (Wan; an STDiT "
+                   "run: peft); with --low-noise-ckpt, the two experts' files (..._high_noise, ..._low_noise)")
     q.add_argument("--format", default="videodit", choices=("videodit", *EXPORT_LOADERS), help="opensora: an "
                    "STDiT3 folder Open-Sora 1.2 loads (for models with model.position_embedding=opensora); wan / "
-                   "diffusers: a Wan model as Wan's WanModel / diffusers' WanTransformer3DModel load it")
+                   "diffusers: a Wan model as Wan's WanModel / diffusers' WanTransformer3DModel load it; "
+                   "comfyui: a Wan model as one OUT/<OUT's name>.safetensors, Wan's names, for ComfyUI's Load "
+                   "Diffusion Model")
     q.set_defaults(func=cmd_ckpt_export)
     q = ksub.add_parser("import", help="convert released weights (Open-Sora 1.2 STDiT3: its folder, a training "
                         "checkpoint or its ema.pt; Wan 2.1: its folder or a diffusers one) into a videodit model "

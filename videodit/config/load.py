@@ -316,6 +316,7 @@ def _check_consistency(cfg: Config) -> None:
     if sample_height % 2 or sample_width % 2:   # the run ends by writing samples as mp4 (H.264)
         raise UserError(f"samples are written as mp4, which needs an even height and width; got "
                         f"{sample_height}x{sample_width} (sample.height/width, else data.height/width): make them even")
+    _check_experts(cfg)
     time_range = cfg.diffusion.timestep_range
     if time_range is not None and not time_range[0] < time_range[1]:
         raise UserError(f"diffusion.timestep_range={time_range} is empty: give [lo, hi] with lo < hi, e.g. [0.875, 1.0]")
@@ -330,6 +331,32 @@ def _check_consistency(cfg: Config) -> None:
     if cfg.text.kind == "transformers" and not cfg.text.path:
         raise UserError("text.path is required for text.kind=transformers: point it to a local "
                         "transformers encoder folder (nothing is downloaded)")
+
+
+def _check_experts(cfg: Config) -> None:
+    """``model.expert`` needs a two-expert model's boundary; one expert trains on its side of it
+    (``diffusion.timestep_range`` is filled in, or must agree), both experts on every timestep."""
+    m, time_range = cfg.model, cfg.diffusion.timestep_range
+    if m.expert is None:
+        if cfg.sample.expert_cfg is not None:
+            raise UserError("sample.expert_cfg guides the two experts of a model.expert=both run; remove it, or set "
+                            "model.expert=both")
+        return
+    if m.family != "wan" or m.expert_boundary is None or not 0 < m.expert_boundary < 1:
+        raise UserError(f"model.expert={m.expert} needs a two-expert model: a Wan 2.2 A14B preset (wan2.2-t2v-a14b, "
+                        "wan2.2-i2v-a14b) or model.expert_boundary strictly between 0 and 1")
+    if m.expert == "both":
+        if time_range is not None:
+            raise UserError(f"model.expert=both trains every timestep (each on its expert); remove "
+                            f"diffusion.timestep_range={time_range}, or train one expert with model.expert=high|low")
+        return
+    if cfg.sample.expert_cfg is not None:
+        raise UserError(f"sample.expert_cfg is for model.expert=both; a model.expert={m.expert} run samples with sample.cfg")
+    side = [m.expert_boundary, 1.0] if m.expert == "high" else [0.0, m.expert_boundary]
+    if time_range is not None and list(time_range) != side:
+        raise UserError(f"diffusion.timestep_range={time_range} is not the {m.expert}-noise expert's {side} "
+                        f"(model.expert_boundary={m.expert_boundary}); remove it, it follows from model.expert")
+    cfg.diffusion.timestep_range = side
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:
@@ -365,7 +392,7 @@ def _check_value(key: str, value: Any, hint: Any, meta: typing.Mapping) -> Any:
         return _check_value(key, value, inner, meta)
     if origin is list:
         if not isinstance(value, (list, tuple)):
-            raise UserError(f"{key} must be a list, got {_show(value)}")
+            raise UserError(f"{key} must be a list, got {_show(value)}; write it as [a, b] (e.g. {key}=[a,b])")
         if "length" in meta and len(value) != meta["length"]:
             raise UserError(f"{key} must have {meta['length']} entries, got {len(value)}")
         if meta.get("nonempty") and not value:

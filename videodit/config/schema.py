@@ -43,13 +43,13 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "wan2.1-i2v-14b": dict(family="wan", depth=40, hidden_size=5120, num_heads=40, ffn_dim=13824,
                            patch_size=[1, 2, 2], task="i2v", image_dim=1280),
     # Wan 2.2 (wan/configs/wan_*.py at 42bf4cf): TI2V-5B on its 48-channel VAE; each A14B expert is
-    # a 14B (T2V: 16 channels in; I2V: 36, no CLIP), trained one per run on its timestep range.
+    # a 14B (T2V: 16 channels in; I2V: 36, no CLIP), split at its recipe's boundary (model.expert).
     "wan2.2-ti2v-5b": dict(family="wan", depth=30, hidden_size=3072, num_heads=24, ffn_dim=14336,
                            patch_size=[1, 2, 2], task="ti2v"),
     "wan2.2-t2v-a14b": dict(family="wan", depth=40, hidden_size=5120, num_heads=40, ffn_dim=13824,
-                            patch_size=[1, 2, 2]),
+                            patch_size=[1, 2, 2], expert_boundary=0.875),
     "wan2.2-i2v-a14b": dict(family="wan", depth=40, hidden_size=5120, num_heads=40, ffn_dim=13824,
-                            patch_size=[1, 2, 2], task="i2v"),
+                            patch_size=[1, 2, 2], task="i2v", expert_boundary=0.900),
 }
 # The model options a preset may set, where it does not: videodit's own behaviour.
 MODEL_OPTION_DEFAULTS: dict[str, Any] = dict(family="stdit", position_embedding="videodit", null_caption_mask="full",
@@ -92,6 +92,13 @@ class ModelConfig:
                               "from preset)", choices=("t2v", "i2v", "ti2v"))
     image_dim: Optional[int] = opt(None, "Wan 2.1 I2V: width of the CLIP image features its img_emb embeds "
                                    "(1280; default: from preset, none)", min=1)
+    expert: Optional[str] = opt(None, "Wan 2.2 A14B (two experts split by timestep): high or low trains one "
+                                "expert on its timesteps (diffusion.timestep_range follows from "
+                                "model.expert_boundary; one 14B in memory), both trains the two in one run, "
+                                "each step routed to the expert of its sampled time (two 14B in memory)",
+                                choices=("high", "low", "both"))
+    expert_boundary: Optional[float] = opt(None, "Wan 2.2 A14B: the shifted time t at which the high-noise expert "
+                                           "takes over (T2V 0.875, I2V 0.9; default: from preset)", min=0.0, max=1.0)
     qk_norm: bool = opt(True, "RMS-normalise queries and keys in self-attention")
     pos_base_grid: int = opt(16, "patch grid side at which spatial positions span their base range")
     temporal_pos_embed: bool = opt(False, "add an absolute sin/cos frame-index embedding (STDiT3 has only "
@@ -228,6 +235,15 @@ class TextConfig:
 
 
 @dataclass
+class ImageEncoderConfig:
+    path: Optional[str] = opt(None, "Wan 2.1 I2V (model.image_dim): its CLIP image encoder, a diffusers Wan I2V "
+                              "folder (image_encoder/ inside), that image_encoder/ folder, or Wan's download (its "
+                              "models_clip_*.pth, read without unpickling code)")
+    dtype: str = opt("fp32", "weights and compute of the image encoder (Wan runs it in fp16 on GPUs); features come "
+                     "out in fp32 either way", choices=("fp32", "bf16", "fp16"))
+
+
+@dataclass
 class TrainConfig:
     max_steps: int = opt(1000, "optimizer steps to train", min=0)
     seed: int = opt(0, "seed for initialisation, data order, noise and timesteps")
@@ -246,6 +262,10 @@ class TrainConfig:
     deterministic: bool = opt(False, "use deterministic algorithms (bitwise-reproducible on CPU)")
     log_every: int = opt(10, "steps between metrics lines", min=1)
     sample_every: int = opt(0, "steps between sample videos (0 = only at the end)", min=0)
+    loggers: list[str] = opt(["tensorboard", "jsonl"], "where metrics and sample videos go: tensorboard, jsonl, "
+                             "wandb (Weights & Biases: pip install videodit[wandb]; WANDB_MODE=offline works "
+                             "without network); jsonl (metrics.jsonl) is always on, listed or not",
+                             choices=("tensorboard", "jsonl", "wandb"))
     peak_tflops: float = opt(0.0, "the device's dense bf16 peak in TFLOP/s for MFU (0 = from a table of common "
                              "GPUs: H100, H200, A100, L40S, RTX 4090; none on CPU)", min=0.0)
     on_nonfinite: str = opt("stop", "a step whose loss or gradient norm is NaN/inf: stop the run (no update, no "
@@ -373,6 +393,9 @@ class SampleConfig:
                                          "(Wan; its recipes set Wan's default); null: the dropped-caption "
                                          "condition of training")
     cfg: float = opt(4.0, "classifier-free guidance scale (1 = off)", min=0.0)
+    expert_cfg: Optional[list[float]] = opt(None, "a model.expert=both run (Wan 2.2 A14B): [low, high], each expert's "
+                                            "guidance scale, as Wan's sample_guide_scale (T2V [3.0, 4.0]; default: "
+                                            "sample.cfg for both)", length=2, min=0.0)
     fps: int = opt(8, "frames per second given to the model and written (match the training clips' "
                    "fps / data.frame_interval)", min=1)
     prompt_style: str = opt("plain", "plain (prompts as given) or opensora (Open-Sora 1.2's inference: the "
@@ -391,6 +414,7 @@ class Config:
     toy: ToyConfig = field(default_factory=ToyConfig)
     vae: VAEConfig = field(default_factory=VAEConfig)
     text: TextConfig = field(default_factory=TextConfig)
+    image_encoder: ImageEncoderConfig = field(default_factory=ImageEncoderConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)

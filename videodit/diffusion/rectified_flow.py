@@ -48,27 +48,43 @@ class RectifiedFlow:
         return t / (ratio - (ratio - 1) * t)
 
     def sample_timesteps(self, batch: int, ratio: float, generator: torch.Generator | None = None,
-                         device=None) -> torch.Tensor:
-        """``batch`` shifted timesteps; with ``diffusion.timestep_range`` [lo, hi], drawn from the
-        same distribution restricted to lo <= t <= hi (by its inverse CDF: no rejection, so one
-        draw per sample), as one expert of a two-expert model trains (Wan 2.2 A14B)."""
-        if self.cfg.timestep_range is None:
+                         device=None, time_range: tuple[float, float] | None = None) -> torch.Tensor:
+        """``batch`` shifted timesteps; within [lo, hi] (``time_range``, else
+        ``diffusion.timestep_range``), drawn from the same distribution restricted to
+        lo <= t <= hi (by its inverse CDF: no rejection, so one draw per sample), as an expert
+        of a two-expert model trains (Wan 2.2 A14B)."""
+        time_range = time_range or self.cfg.timestep_range
+        if time_range is None:
             if self.cfg.timestep_sampling == "logit_normal":
                 normal = torch.randn(batch, generator=generator)
                 t = torch.sigmoid(normal * self.cfg.logit_std + self.cfg.logit_mean)
             else:
                 t = torch.rand(batch, generator=generator)
             return self.shift(t, ratio).to(device)
-        lo, hi = (self.unshift(torch.tensor(float(edge), dtype=torch.float64), ratio)
-                  for edge in self.cfg.timestep_range)
+        lo, hi = (self.unshift(torch.tensor(float(edge), dtype=torch.float64), ratio) for edge in time_range)
         u = torch.rand(batch, generator=generator, dtype=torch.float64)
-        if self.cfg.timestep_sampling == "logit_normal":   # a normal truncated to the range's logits
-            mean, std = self.cfg.logit_mean, max(self.cfg.logit_std, 1e-12)
-            a, b = (torch.special.ndtr((torch.logit(edge) - mean) / std) for edge in (lo, hi))
-            t = torch.sigmoid(torch.special.ndtri(a + (b - a) * u) * std + mean)
-        else:
-            t = lo + (hi - lo) * u
+        a, b = self._cdf(lo), self._cdf(hi)
+        t = self._quantile(a + (b - a) * u)
         return self.shift(t.clamp(lo, hi), ratio).float().to(device)
+
+    def share(self, lo: float, hi: float, ratio: float) -> float:
+        """The probability that a training timestep (shifted by ``ratio``) lies in [lo, hi]."""
+        edges = (self.unshift(torch.tensor(float(edge), dtype=torch.float64), ratio) for edge in (lo, hi))
+        a, b = map(self._cdf, edges)
+        return float(b - a)
+
+    def _cdf(self, t: torch.Tensor) -> torch.Tensor:
+        """The unshifted timestep distribution's CDF at ``t`` (float64)."""
+        if self.cfg.timestep_sampling == "logit_normal":   # a normal over the logits
+            mean, std = self.cfg.logit_mean, max(self.cfg.logit_std, 1e-12)
+            return torch.special.ndtr((torch.logit(t) - mean) / std)
+        return t
+
+    def _quantile(self, p: torch.Tensor) -> torch.Tensor:
+        if self.cfg.timestep_sampling == "logit_normal":
+            mean, std = self.cfg.logit_mean, max(self.cfg.logit_std, 1e-12)
+            return torch.sigmoid(torch.special.ndtri(p) * std + mean)
+        return p
 
     @staticmethod
     def interpolate(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from torch import nn
 
 from videodit.config import LoraConfig
 from videodit.errors import UserError
+from videodit.models.spec import model_parts
 
 ADAPTER = "default"          # peft's adapter name; it appears in the parameter names
 ADAPTER_KEYS = (f".lora_A.{ADAPTER}.", f".lora_B.{ADAPTER}.")
@@ -65,7 +66,11 @@ def _resolve(modules: dict[str, nn.Module], blocks: list[str], target: str) -> l
 
 def target_paths(model: nn.Module, targets: list[str]) -> list[str]:
     """The full module paths of the Linear layers ``targets`` names (see the module docstring),
-    in model order; a target that names no Linear layer is a one-line UserError."""
+    in model order, in each expert of a two-expert model; a target that names no Linear layer
+    is a one-line UserError."""
+    parts = model_parts(model)
+    if len(parts) > 1:
+        return [prefix + path for prefix, part in parts for path in target_paths(part, targets)]
     modules = dict(model.named_modules())
     blocks = _block_names(model)
     translate = _translation(model)

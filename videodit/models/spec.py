@@ -55,6 +55,16 @@ class Conditions:
     given: torch.Tensor | None = None
 
 
+def model_parts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name prefix, model) of each whole model inside ``model``: the experts of a two-expert
+    model (its ``models()``: Wan 2.2 A14B trained with ``model.expert=both``), else the model
+    itself. Each has its own ``blocks``; the parallel layers and LoRA targets apply per part."""
+    if not hasattr(model, "models"):
+        return [("", model)]
+    names = {id(child): name for name, child in model.named_children()}
+    return [(f"{names[id(part)]}.", part) for part in model.models()]
+
+
 @dataclass(frozen=True)
 class ActivationDims:
     """The sizes of one block that the planner's activation model reads (``planner/estimate.py``):
@@ -173,17 +183,22 @@ class ModelSpec:
         [B, C, T, H, W] holding it and zero frames after (for :meth:`takes_first_frame` models)."""
         raise NotImplementedError
 
-    def combine_experts(self, high: nn.Module, low: nn.Module, boundary: float,
-                        guidance: tuple[float, float]) -> tuple[nn.Module, Callable[[torch.Tensor], float]]:
-        """A two-expert model (the high-noise expert above ``boundary``) and its CFG scale as a
-        function of t (``guidance`` = (low, high)), for sampling; families without such models refuse."""
+    def combine_experts(self, high: nn.Module, low: nn.Module, boundary: float) -> nn.Module:
+        """A two-expert model: ``high`` denoises above ``boundary``, ``low`` below; its
+        ``models()`` are the experts (each with its ``blocks``, for the parallel layers).
+        Families without such models refuse."""
         from videodit.errors import UserError
         raise UserError(f"the {self.family} family has no two-expert models")
 
-    def not_built(self, geometry) -> str | None:
-        """Why a model of this geometry can be neither trained nor sampled yet (one line naming what
-        to do), or None."""
-        return None
+    def expert_guidance(self, boundary: float, guidance: tuple[float, float]) -> Callable[[torch.Tensor], float]:
+        """A two-expert model's CFG scale as a function of t (``guidance`` = (low, high))."""
+        raise NotImplementedError
+
+    def build_image_encoder(self, path: str, dtype: torch.dtype) -> nn.Module:
+        """The frozen image encoder (``encode(frames [B, 3, H, W] in [-1, 1]) -> [B, tokens, dim]``,
+        ``dim``) of a model with ``image_dim``, loaded from ``path``."""
+        raise NotImplementedError
+
 
     def caption_channels(self, tensors: dict[str, torch.Tensor]) -> int:
         """The text encoder's width a state dict of this family was built for."""
@@ -197,16 +212,35 @@ class ModelSpec:
     released_takes_given_frames: bool = False   # its releases were trained with frame masks (``--ref``)
     # export format -> (high-noise, low-noise) expert folders of a two-expert model in that layout
     expert_folders: dict[str, tuple[str, str]] = {}
+    # the (high, low) experts' name prefixes in the module :meth:`combine_experts` builds
+    expert_prefixes: tuple[str, str] = ()
     released_fix: str = ""            # what to set when released weights do not fit the model
     export_formats: tuple[str, ...] = ()   # ``ckpt export --format`` values besides videodit's own
+    # ``ckpt export --lora-format`` values whose files load somewhere for this family (peft's loads
+    # onto any videodit model; diffusers and ComfyUI need a pipeline or model of theirs)
+    lora_formats: tuple[str, ...] = ("peft",)
+
+    def lora_module_name(self, fmt: str, module: str) -> str:
+        """A module path of the model (``blocks.0.self_attn.q``) as a LoRA file in ``fmt`` names it."""
+        return module
 
     def released_layout(self, path: Path) -> bool:
         """Whether ``path`` holds weights in one of the family's released layouts."""
         return False
 
     def read_released(self, path: Path, ema: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
-        """(geometry, tensors in the family's own names) of released weights (``released_layout``)."""
+        """(geometry, tensors in the family's own names) of released weights (``released_layout``);
+        of a two-expert model, both experts' (named as in :meth:`combine_experts`' model)."""
         raise NotImplementedError
+
+    def released_files(self, path: Path) -> list[Path]:
+        """The weight files of released weights that the model reads (a LoRA base's fingerprint)."""
+        suffixes = (".safetensors", ".pt", ".pth", ".bin")
+        return [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.suffix in suffixes)
+
+    def expert_source(self, path: Path, expert: str) -> Path | None:
+        """The folder of one expert ("high" or "low") when ``path`` holds a two-expert model, else None."""
+        return None
 
     def load_released(self, path: Path, ema: bool = False) -> nn.Module:
         """The fp32 model of released weights; families with sharded releases load them lazily."""

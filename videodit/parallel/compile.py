@@ -113,17 +113,18 @@ def compile_block(block: nn.Module, options: CompileOptions, stats: CompileStats
     block.forward = forward
 
 
-def apply_compile(model: nn.Module, options: CompileOptions, *, shapes: int = 1) -> CompileStats:
-    """Compile every block of ``model.blocks`` (a whole model or a pipeline stage) in place.
-    ``shapes``: how many distinct bucket shapes the data has (decides ``auto``, and how many
-    graphs Dynamo must be allowed to keep)."""
+def apply_compile(model: nn.Module, options: CompileOptions, *, shapes: int = 1,
+                  stats: CompileStats | None = None) -> CompileStats:
+    """Compile every block of ``model.blocks`` (a whole model, a pipeline stage or an expert) in
+    place. ``shapes``: how many distinct bucket shapes the data has (decides ``auto``, and how
+    many graphs Dynamo must be allowed to keep); ``stats``: counts to add to (the other experts')."""
     if options.backend not in BACKENDS:
         raise UserError(f"train.compile_backend={options.backend!r} is not one of {', '.join(BACKENDS)}")
     if options.dynamic not in DYNAMIC:
         raise UserError(f"train.compile_dynamic={options.dynamic!r} is not one of {', '.join(DYNAMIC)}")
     options = options.resolved(shapes)
     _raise_recompile_limit(2 * shapes + 8)
-    stats = CompileStats()
+    stats = CompileStats() if stats is None else stats
     spec = spec_of(model)
     for block in model.blocks:
         compile_block(block, options, stats, spec)

@@ -154,6 +154,13 @@ def init_distributed(cfg: Config) -> DistContext:
     dims.check_model(num_heads=m.num_heads, hidden_size=m.hidden_size, depth=m.depth, spec=spec,
                      sp_ring=cfg.parallel.sp_ring)
     per_rank, microbatches = dims.check_pipeline(cfg.parallel, blocks=spec.num_blocks(m.depth))
+    if m.image_dim is not None and dims.pp > 1:
+        raise UserError(f"parallel.pp={dims.pp}: the pipeline does not carry Wan 2.1 I2V's image features between "
+                        "stages; split the model with parallel.tp, parallel.sp or parallel.dp_shard (FSDP2) instead")
+    if m.expert == "both" and dims.pp > 1:
+        raise UserError(f"parallel.pp={dims.pp} cannot split a model.expert=both run (two experts, one of them "
+                        "active per step); shard it with parallel.dp_shard (FSDP2), or train one expert per run "
+                        "with model.expert=high|low")
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(cfg.train.device, local_rank)
     if world == 1:

@@ -29,6 +29,7 @@ from videodit.parallel.distributed import DistContext
 from videodit.parallel.full_attention import apply_full_attention_sp
 from videodit.models.flops import block_costs
 from videodit.models.families import spec_of
+from videodit.models.spec import model_parts
 from videodit.parallel.gradients import clip_gradients, gradient_sync, sum_partial_gradients
 from videodit.parallel.pipeline import (PipelineSchedule, build_pipeline, check_microbatches,
                                        pack_target, pipeline_loss)
@@ -159,21 +160,27 @@ def parallelize(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *, memo
             stages_per_rank=ctx.pp_stages_per_rank, microbatches=ctx.pp_microbatches, costs=costs,
             group=ctx.group("pp"), device=ctx.device, loss_fn=pipeline_loss(model.geometry, loss_fn))
         stages = [pipeline.stages[s] for s in sorted(pipeline.stages)]
-    partial = apply_tensor_parallel(model, ctx.meshes["tp"]) if dims.tp > 1 else []
-    if dims.sp > 1:
-        apply_family_sequence_parallel(model, ctx, cfg)
-    chosen = apply_activation_checkpointing(model, memory)
-    stats = None
-    if compile is not None:   # torchtitan's place: after TP, SP and checkpointing, before FSDP
-        stats = apply_compile(model, compile, shapes=shapes)
-    apply_saved_tensor_levers(model, memory, chosen)
+    stacks = model_parts(model)
+    partial, stats = [], None
+    for prefix, part in stacks:   # each expert of a two-expert model gets every layer on its own
+        if dims.tp > 1:
+            partial += [prefix + name for name in apply_tensor_parallel(part, ctx.meshes["tp"])]
+        if dims.sp > 1:
+            apply_family_sequence_parallel(part, ctx, cfg)
+        chosen = apply_activation_checkpointing(part, memory)
+        if compile is not None:   # torchtitan's place: after TP, SP and checkpointing, before FSDP
+            stats = apply_compile(part, compile, shapes=shapes * len(stacks), stats=stats)
+        apply_saved_tensor_levers(part, memory, chosen)
     module = model
     if dims.data_parallel in ("fsdp", "hsdp"):
-        apply_fsdp(model, stages, ctx, cfg, param_dtype=autocast_dtype)
+        apply_fsdp([part for _, part in stacks], stages, ctx, cfg, param_dtype=autocast_dtype)
     elif dims.data_parallel == "ddp":
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        module = DistributedDataParallel(model, process_group=ctx.group("dp_sp"), device_ids=device_ids)
+        # A two-expert model trains one expert per step: the other's parameters get no gradient.
+        module = DistributedDataParallel(model, process_group=ctx.group("dp_sp"), device_ids=device_ids,
+                                         find_unused_parameters=len(stacks) > 1)
     return ParallelModel(model, module, loss_fn, ctx, pipeline, autocast_dtype, partial, stats)
+
 
 
 def apply_family_sequence_parallel(model: nn.Module, ctx: DistContext, cfg: ParallelConfig) -> None:
@@ -204,10 +211,11 @@ def apply_saved_tensor_levers(model: nn.Module, cfg: MemoryConfig, checkpointed:
                 wrap_saved_tensors(block, offload=cfg.offload, compression=cfg.compression)
 
 
-def apply_fsdp(model: nn.Module, roots: list[nn.Module], ctx: DistContext, cfg: ParallelConfig, *,
+def apply_fsdp(parts: list[nn.Module], roots: list[nn.Module], ctx: DistContext, cfg: ParallelConfig, *,
                param_dtype: torch.dtype | None) -> None:
-    """FSDP2 on every block, then on each root (the model, or each pipeline stage): the
-    embedders and the output layer.
+    """FSDP2 on every block of each part (the model, or each expert of a two-expert model),
+    then on each expert (its embedders and head: an expert that sits out a step is never
+    gathered), then on each root (the model, or each pipeline stage).
 
     Gradients are reduced in fp32 and the sharded master weights stay fp32; only the
     gathered compute copy is ``param_dtype``. HSDP uses a 2D mesh: replicate x shard.
@@ -217,9 +225,12 @@ def apply_fsdp(model: nn.Module, roots: list[nn.Module], ctx: DistContext, cfg: 
                    offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy())
     # FSDP2 warns that the model returns a view (the un-padding slice); nothing writes to it in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    blocks = model.blocks
-    for i, block in enumerate(blocks):
-        # The last block's weights are needed again first in backward: never reshard them.
-        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward and i < len(blocks) - 1, **options)
+    for part in parts:
+        blocks = part.blocks
+        for i, block in enumerate(blocks):
+            # The last block's weights are needed again first in backward: never reshard them.
+            fully_shard(block, reshard_after_forward=cfg.reshard_after_forward and i < len(blocks) - 1, **options)
+        if len(parts) > 1:
+            fully_shard(part, reshard_after_forward=cfg.reshard_after_forward, **options)
     for root in roots:
         fully_shard(root, reshard_after_forward=cfg.reshard_after_forward, **options)

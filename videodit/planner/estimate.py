@@ -269,7 +269,10 @@ def local_params(counts: ModelCounts, parallel: Parallel) -> float:
 def estimate(geometry, shape: Shape, *, parallel: Parallel = Parallel(),
              precision: Precision = Precision(), memory: MemoryConfig = MemoryConfig(),
              ema: bool = True, encoder_bytes: int = 0, counts: ModelCounts | None = None,
-             lora: Lora | None = None) -> Estimate:
+             lora: Lora | None = None, experts: int = 1) -> Estimate:
+    """Bytes per GPU of one training step. ``experts``: whole models held, one of them trained
+    per step (2 for both experts of Wan 2.2 A14B, ``model.expert=both``): each holds its weights,
+    optimizer state and EMA; gradients and activations are the step's expert's alone."""
     counts = counts or count_model(geometry)
     n_local = local_params(counts, parallel)
     on_gpu = 0.0 if parallel.cpu_offload else 1.0
@@ -277,10 +280,10 @@ def estimate(geometry, shape: Shape, *, parallel: Parallel = Parallel(),
     # fp32 with both (not split by TP: an upper bound, they are ~1-2% of the model).
     adapters = 0.0 if lora is None else (lora.block_params / parallel.pp + lora.other_params) / parallel.shard
     trained = n_local if lora is None else adapters
-    params = int((trained * FP32 + (0 if lora is None else n_local * precision.low_bytes)) * on_gpu)
+    params = int((trained * FP32 + (0 if lora is None else n_local * precision.low_bytes)) * on_gpu) * experts
     grads = int(trained * FP32 * on_gpu)
-    optimizer = 2 * grads
-    ema_bytes = grads if ema else 0
+    optimizer = 2 * grads * experts
+    ema_bytes = grads * experts if ema else 0
 
     activations, detail = activation_bytes(geometry, shape, parallel, precision, memory, counts.depth_blocks, lora)
 
@@ -302,9 +305,9 @@ def estimate(geometry, shape: Shape, *, parallel: Parallel = Parallel(),
         # autocast keeps a bf16 copy of every fp32 weight it used until backward is done (a
         # LoRA base is bf16 already: only the adapters are copied).
         temporaries += trained * 2
-    detail.update(num_params=counts.num_params, params_per_gpu=int(n_local))
+    detail.update(num_params=counts.num_params * experts, params_per_gpu=int(n_local) * experts)
     if lora is not None:
-        detail.update(adapter_params=lora.params, adapter_params_per_gpu=int(adapters))
+        detail.update(adapter_params=lora.params * experts, adapter_params_per_gpu=int(adapters) * experts)
     return Estimate(params, grads, optimizer, ema_bytes, activations, int(temporaries), encoder_bytes, detail)
 
 

@@ -125,6 +125,7 @@ class Planner:
     encoder_bytes: int = 0
     batch_multiple: int = 1     # pipeline micro-batches: batch sizes must be multiples
     lora: Lora | None = None    # LoRA adapters on a frozen base (estimate.count_lora)
+    experts: int = 1            # whole models held, one trained per step (model.expert=both: 2)
 
     def __post_init__(self):
         with torch.device("meta"):    # structure only: no memory, no initialisation cost
@@ -145,7 +146,7 @@ class Planner:
         parallel = dataclasses.replace(self.parallel, **changes.pop("parallel", {}))
         return estimate(self.geometry, self.shape(batch, num_frames, height, width), parallel=parallel,
                         precision=Precision(self.bf16), memory=memory, ema=self.ema,
-                        encoder_bytes=self.encoder_bytes, counts=self.counts, lora=self.lora)
+                        encoder_bytes=self.encoder_bytes, counts=self.counts, lora=self.lora, experts=self.experts)
 
     def max_batch(self, num_frames: int, height: int, width: int, **changes) -> int:
         """The largest batch (a multiple of ``batch_multiple``) under the budget; 0 if none."""
@@ -355,7 +356,7 @@ def planner_from_config(cfg: Config, gpu_bytes: int, *, world_size: int | None =
     return Planner(geometry, parallel, precision_from_config(cfg).bf16, cfg.memory, latent, length, gpu_bytes,
                    margin, ema=cfg.train.ema_decay > 0, batch_multiple=multiple,
                    encoder_bytes=frozen_encoder_bytes(cfg) if encoder_bytes is None else encoder_bytes,
-                   lora=count_lora(cfg.lora, geometry))
+                   lora=count_lora(cfg.lora, geometry), experts=2 if cfg.model.expert == "both" else 1)
 
 
 def _cached_geometry(cfg: Config, latent: LatentGeometry | None,

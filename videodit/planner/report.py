@@ -62,8 +62,9 @@ def plan_table(planner: Planner, plans: list[BucketFit]) -> str:
 def plan_summary(planner: Planner, gpu_bytes: int) -> str:
     p, m = planner.parallel, planner.memory
     hidden = spec_of(planner.geometry).activation_dims(planner.geometry).hidden_size
+    experts = (f" x {planner.experts} experts (both held, one trained per step)" if planner.experts > 1 else "")
     return (f"model: {planner.counts.num_params:,} parameters, {planner.counts.depth_blocks} blocks, hidden "
-            f"{hidden}{_lora_summary(planner)} | "
+            f"{hidden}{experts}{_lora_summary(planner)} | "
             f"per GPU: sp={p.sp} tp={p.tp} pp={p.pp} fsdp shard={p.shard} | "
             f"{'bf16 autocast' if planner.bf16 else 'fp32'} | checkpointing={m.checkpointing}"
             f"{f' every {m.checkpoint_every}' if m.checkpoint_every > 1 else ''}"
@@ -75,15 +76,15 @@ def plan_summary(planner: Planner, gpu_bytes: int) -> str:
 def _lora_summary(planner: Planner) -> str:
     lora = planner.lora
     return "" if lora is None else \
-        f" | LoRA rank {lora.rank}: {lora.params:,} adapter parameters train, the base is frozen"
+        f" | LoRA rank {lora.rank}: {lora.params * planner.experts:,} adapter parameters train, the base is frozen"
 
 
 def plan_json(planner: Planner, plans: list[BucketFit], gpu_bytes: int) -> str:
     first = plans[0].estimate if plans else None
-    model = {"num_params": planner.counts.num_params,
+    model = {"num_params": planner.counts.num_params * planner.experts, "experts": planner.experts,
              "params_per_gpu": int(first.detail["params_per_gpu"]) if first else 0}
     if planner.lora is not None:
-        model.update(lora_rank=planner.lora.rank, adapter_params=planner.lora.params)
+        model.update(lora_rank=planner.lora.rank, adapter_params=planner.lora.params * planner.experts)
     if first:
         model.update({f"{k}_bytes": v for k, v in first.as_dict().items()
                       if k in ("params", "grads", "optimizer", "ema", "encoders")})

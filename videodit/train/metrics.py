@@ -1,64 +1,89 @@
-"""Training metrics: one JSON object per logged step in metrics.jsonl, plus TensorBoard.
+"""Training metrics and sample videos, handed to the loggers of ``train.loggers``
+(``train/loggers.py``: metrics.jsonl, always; TensorBoard; Weights & Biases), on rank 0 only.
 
 Metrics are not worth a run: a write that fails (a full disk) turns logging off and leaves
 the one-line reason in ``error``, for the trainer to save a checkpoint and stop."""
 
 from __future__ import annotations
 
-import json
+import contextlib
+import sys
 import time
 from pathlib import Path
+from typing import Sequence
+
+import numpy as np
 
 from videodit.errors import os_error_message
+from videodit.train.loggers import JsonlLogger, LoggerFailed, SampleVideo, TensorBoardLogger
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, enabled: bool = True):
+    def __init__(self, run_dir: Path, enabled: bool = True, loggers: Sequence[str] = ("tensorboard", "jsonl"),
+                 config: dict | None = None, resuming: bool = False):
+        """``config``: the resolved config (as config.yaml holds it) for W&B; ``resuming``: the run
+        continues from a checkpoint, so W&B continues the W&B run kept in the run folder."""
         self.run_dir = run_dir
         self.enabled = enabled
         self.error: str | None = None
-        self._file = self._writer = None
+        self._loggers: list = []
         if enabled:
-            self._guarded(self._open)
+            self._guarded(self._open, list(loggers), config or {}, resuming)
 
-    def _open(self) -> None:
-        self._file = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+    def _open(self, names: list[str], config: dict, resuming: bool) -> None:
+        """jsonl always, first; if a logger fails to open, those already open are closed again."""
+        self._loggers = [JsonlLogger(self.run_dir)]
         try:
-            from torch.utils.tensorboard import SummaryWriter
-            self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
-        except ImportError:   # tensorboard is a dependency; degrade rather than lose the run
-            self._writer = None
+            if "tensorboard" in names:
+                try:
+                    self._loggers.append(TensorBoardLogger(self.run_dir))
+                except ImportError:   # tensorboard is a dependency; degrade rather than lose the run
+                    print("note: tensorboard is not installed; metrics go to metrics.jsonl only", file=sys.stderr)
+            if "wandb" in names:
+                from videodit.train.wandb_logger import WandbLogger
+                self._loggers.append(WandbLogger(self.run_dir, config=config, resuming=resuming))
+        except BaseException:
+            for logger in self._loggers:
+                with contextlib.suppress(OSError, LoggerFailed):   # the failure to open is the one to report
+                    logger.close()
+            self._loggers = []
+            raise
 
     def log(self, step: int, values: dict) -> None:
         if self.enabled:
-            self._guarded(self._write, step, values)
+            self._guarded(self._each, "log", step, values)
 
-    def _write(self, step: int, values: dict) -> None:
-        record = {"step": step, **values, "time": round(time.time(), 3)}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        if self._writer is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)) and key != "epoch":
-                    self._writer.add_scalar(f"train/{key}", value, step)
+    def log_samples(self, step: int, prompts: list[str], clips: np.ndarray, paths: list[Path], fps: float) -> None:
+        """The sample clips of ``step`` (uint8 [N, T, H, W, 3]) and the files they were written to."""
+        if self.enabled:
+            videos = [SampleVideo(prompt, clip, path, fps) for prompt, clip, path in zip(prompts, clips, paths)]
+            self._guarded(self._each, "log_videos", step, videos)
+
+    def _each(self, method: str, *args) -> None:
+        for logger in self._loggers:
+            getattr(logger, method)(*args)
 
     def _guarded(self, fn, *args) -> None:
         try:
             fn(*args)
-        except OSError as exc:
-            self.error = f"could not write the metrics in {self.run_dir}: {os_error_message(exc)}"
+        except (OSError, LoggerFailed) as exc:
+            self._failed(exc)
             self.close()
 
     def close(self) -> None:
-        """Close the files; a failure to flush them is already reported by ``error``."""
+        """Close the loggers; a failure to flush them is already reported by ``error``."""
         self.enabled = False
-        for handle in (self._file, self._writer):
+        for logger in self._loggers:
             try:
-                if handle is not None:
-                    handle.close()
-            except OSError as exc:
-                self.error = self.error or f"could not write the metrics in {self.run_dir}: {os_error_message(exc)}"
-        self._file = self._writer = None
+                logger.close()
+            except (OSError, LoggerFailed) as exc:
+                self._failed(exc)
+        self._loggers = []
+
+    def _failed(self, exc: OSError | LoggerFailed) -> None:
+        if self.error is None:   # the first failure is the cause; later ones follow from it
+            why = os_error_message(exc) if isinstance(exc, OSError) else str(exc)
+            self.error = f"could not write the metrics in {self.run_dir}: {why}"
 
 
 class Throughput:

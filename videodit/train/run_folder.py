@@ -96,11 +96,12 @@ class RunFolder:
     def write_start(self, config_yaml: str, info: dict) -> None:
         """The run's config and run info, each replaced whole (never half-written)."""
         (self.path / "samples").mkdir(parents=True, exist_ok=True)
-        _replace(self.path / "config.yaml", config_yaml)
-        _replace(self.path / "run_info.json", json.dumps(info, indent=1))
+        replace_file(self.path / "config.yaml", config_yaml)
+        replace_file(self.path / "run_info.json", json.dumps(info, indent=1))
 
 
-def _replace(path: Path, text: str) -> None:
+def replace_file(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         temporary.write_text(text)

@@ -24,7 +24,7 @@ def seed_everything(seed: int) -> None:
 
 # Keys that may change between a checkpoint and its resume without changing what is trained.
 RESUMABLE_CHANGES = ("name", "resume", "train.max_steps", "train.log_every", "train.sample_every",
-                     "train.threads", "train.peak_tflops", "data.num_workers", "data.metadata_cache",
+                     "train.loggers", "train.threads", "train.peak_tflops", "data.num_workers", "data.metadata_cache",
                      "checkpoint.", "validation.", "sample.", "parallel.")
 
 
@@ -53,14 +53,20 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
+def git_commit() -> str | None:
+    """The commit of the videodit checkout that runs (None outside a git checkout)."""
+    import videodit
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(videodit.__file__).parent,
+                              capture_output=True, text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def run_info(num_params: int) -> dict:
     """What produced this run: code version and library versions."""
     import videodit
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(videodit.__file__).parent,
-                                capture_output=True, text=True, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
+    commit = git_commit()
     versions = {"python": sys.version.split()[0], "torch": torch.__version__, "videodit": videodit.__version__,
                 "numpy": np.__version__}
     for name in ("av", "safetensors", "diffusers", "transformers"):

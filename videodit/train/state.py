@@ -25,7 +25,7 @@ from videodit.checkpoint import CheckpointManager, LoadedCheckpoint
 from videodit.data.sampler import BucketBatchSampler
 from videodit.errors import UserError
 from videodit.checkpoint.lora import check_base, init_weights
-from videodit.models.families import released_spec
+from videodit.models.families import get_spec, released_spec
 from videodit.parallel.parallelize import ParallelModel
 from videodit.parallel.state import (full_tensors, gather_stages, load_model_state, load_optimizer_state,
                                      load_shards, optimizer_state, save_shards, saved_state)
@@ -171,6 +171,19 @@ def init_weights_from(model: torch.nn.Module, source: str) -> str:
         raise UserError(f"model.init_from={source}: it has tensors this model lacks ({', '.join(extra[:3])}); {fix}")
     model.load_state_dict({name: weights[name].to(tensor.dtype) for name, tensor in own.items()})
     return taken
+
+
+def expert_init_source(cfg) -> str:
+    """``model.init_from``, where it holds a two-expert model (Wan 2.2 A14B): one expert's folder
+    for ``model.expert=high|low``, the whole for ``both``; a one-model run is refused."""
+    source, expert = cfg.model.init_from, cfg.model.expert
+    spec = get_spec(cfg.model.family)
+    if spec.expert_source(Path(source), "high") is None:
+        return source
+    if expert is None:
+        raise UserError(f"model.init_from={source} holds a two-expert model; set model.expert=high or low (one "
+                        "expert per run, on its timesteps) or both (the two in one run)")
+    return source if expert == "both" else str(spec.expert_source(Path(source), expert))
 
 
 def _jsonable(value):

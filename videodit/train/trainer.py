@@ -29,11 +29,13 @@ from tqdm import tqdm
 
 from videodit.checkpoint import CheckpointManager, LoadedCheckpoint, checkpoint_name, list_checkpoints
 from videodit.checkpoint.lora import check_base, lora_model, run_base
-from videodit.components import build_encoders, build_model, first_frame_given
-from videodit.config import Config, to_yaml
+from videodit.components import (build_encoders, build_image_encoder, build_model, first_frame_features,
+                                 first_frame_given)
+from videodit.config import Config, to_dict, to_yaml
 from videodit.data.dataset import BadFileGuard, Batch
 from videodit.data.feature_cache import CachedBatch, build_cached_training_data
 from videodit.data.loader import build_training_data
+from videodit.diffusion.expert_routing import ExpertRouting
 from videodit.diffusion.frame_mask import FrameConditioning
 from videodit.diffusion.rectified_flow import RectifiedFlow
 from videodit.errors import UserError, os_error_message
@@ -44,14 +46,15 @@ from videodit.parallel.compile import compile_options
 from videodit.parallel.distributed import init_distributed
 from videodit.parallel.lora import apply_lora, lora_summary
 from videodit.parallel.parallelize import parallelize
-from videodit.sample import generate, write_clips
+from videodit.sample import generate, guidance_of, write_clips
 from videodit.toy.make import ensure_toy_data
 from videodit.train.ema import EMA
+from videodit.train.loggers import check_loggers
 from videodit.train.metrics import MetricsLogger, Throughput, peak_tflops
 from videodit.train.run_folder import RunFolder
 from videodit.train.runtime import check_config_change, run_info, seed_everything
 from videodit.train.stop import StopSignals, StoppedWaitingForData
-from videodit.train.state import TrainState, init_weights_from
+from videodit.train.state import TrainState, expert_init_source, init_weights_from
 from videodit.train.validation import Validator
 
 
@@ -61,6 +64,7 @@ class Trainer:
         self.run_dir = run_dir
         self.ckpt_root = run_dir / "checkpoints"
         tc = cfg.train
+        check_loggers(tc.loggers)   # wandb asked for but not installed: refused before anything is built
         if tc.threads:
             torch.set_num_threads(tc.threads)
         if tc.deterministic:
@@ -92,6 +96,8 @@ class Trainer:
                 print(self.meta.describe(), flush=True)
         else:
             self.vae, self.text = build_encoders(cfg, self.device)
+        # Wan 2.1 I2V's CLIP, for image features of the given frame (None for other models)
+        self.image_encoder = None if cfg.data.cache else build_image_encoder(cfg, self.device)
         # On GPUs a bf16 run encodes in bf16, as Open-Sora does: the frozen text encoder's weights
         # (T5-XXL: 19 GB in fp32) are cast, the VAE's matmuls and convolutions run under autocast
         # (its weights stay fp32, whatever the adapter); the outputs are used in fp32.
@@ -99,17 +105,18 @@ class Trainer:
         if self.encode_in_bf16:
             self.text.to(torch.bfloat16)
         self.flow = RectifiedFlow(cfg.diffusion)
+        self.routing = self._expert_routing()   # model.expert=both: the expert of each step
         self.spec = get_spec(cfg.model.family)
         self.conditioning = frame_conditioning(cfg)
         if self.conditioning is not None and self.spec.frame_mask_index() is None:
             raise UserError(f"diffusion.mask_ratios (Open-Sora 1.2's frame masks) is not supported by the "
                             f"{cfg.model.family} family; remove it")
         model = build_model(cfg, self.vae, self.text)
-        if (why := self.spec.not_built(model.geometry)) is not None:
-            raise UserError(why)
         if self.spec.takes_first_frame(model.geometry) and cfg.data.cache:
             raise UserError("data.cache holds no latents of the given first frames an i2v model takes; train it "
                             "from data.csv (leave data.cache unset)")
+        if cfg.model.init_from:
+            cfg.model.init_from = expert_init_source(cfg)
         lora_base = None
         if cfg.lora.rank:   # the frozen base, recorded by its absolute path (config.yaml) and fingerprint
             lora_base = run_base(cfg)
@@ -173,13 +180,15 @@ class Trainer:
     def _train(self) -> dict:
         tc = self.cfg.train
         progress = self.state.progress
-        metrics = MetricsLogger(self.run_dir, enabled=self.is_main)
+        metrics = MetricsLogger(self.run_dir, enabled=self.is_main, loggers=tc.loggers, config=to_dict(self.cfg),
+                                resuming=progress.step > 0)   # W&B goes on in the run it logged before
         throughput = Throughput()
         batches = self.batches()
         bar = tqdm(total=tc.max_steps, initial=progress.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=None if self.is_main else True)
         last = {}
         stopping = False
+        sampled_at = None   # the step whose clips were written last: the end does not make them again
         try:
             with StopSignals() as stop:
                 while progress.step < tc.max_steps and not stopping:
@@ -200,7 +209,8 @@ class Trainer:
                             print(f"step {progress.step}/{tc.max_steps} loss {loss:.4f} "
                                   f"samples/s {last['samples_per_s']:.1f}", flush=True)
                     if tc.sample_every and progress.step % tc.sample_every == 0:
-                        self._write_outputs(self.write_samples)
+                        self._write_outputs(lambda: self.write_samples(metrics))
+                        sampled_at = progress.step
                     # Clocks, signals and full disks differ between ranks: act when any rank asks.
                     failed = metrics.error or self.output_error
                     saving = self.ctx.any(self.checkpoints.should_save(progress.step))
@@ -218,6 +228,9 @@ class Trainer:
                     self.validate(metrics)
                 self.save()
             self.checkpoints.wait()
+            done = progress.step >= tc.max_steps and not (metrics.error or self.output_error)
+            if done and sampled_at != progress.step:
+                self.write_samples(metrics)   # the last clips, logged before the loggers close
         except StoppedWaitingForData as stopped:
             if self.is_main:
                 self.checkpoints.wait()
@@ -238,8 +251,6 @@ class Trainer:
         if failed is not None:   # the checkpoint is saved; the run still did not finish cleanly
             raise UserError(f"{failed}; the checkpoint of step {progress.step} was saved; fix that, then resume "
                             "with resume=auto")
-        if progress.step >= tc.max_steps:
-            self.write_samples()
         return {"step": progress.step, **last, **self.last_validation}
 
     def _write_outputs(self, write) -> None:
@@ -254,10 +265,11 @@ class Trainer:
         """One optimizer step over ``micro_batches``; returns (loss, grad norm), both global."""
         self.parallel.train()
         total = 0.0
-        for i, batch in enumerate(micro_batches):
-            inputs, target = self.prepare(batch)
-            total += self.parallel.forward_backward(inputs, target, scale=1.0 / len(micro_batches),
-                                                    sync=i == len(micro_batches) - 1)
+        with self.routed_step() as time_range:
+            for i, batch in enumerate(micro_batches):
+                inputs, target = self.prepare(batch, time_range)
+                total += self.parallel.forward_backward(inputs, target, scale=1.0 / len(micro_batches),
+                                                        sync=i == len(micro_batches) - 1)
         grad_norm = self.parallel.clip_gradients(self.cfg.train.grad_clip)
         loss = self.parallel.global_loss(total)   # both are global: every rank decides alike
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -283,17 +295,34 @@ class Trainer:
 
     def loss(self, batch: Batch) -> torch.Tensor:
         """The rectified-flow loss of one micro-batch (not under pipeline parallelism)."""
-        return self.parallel.loss(*self.prepare(batch))
+        with self.routed_step() as time_range:
+            return self.parallel.loss(*self.prepare(batch, time_range))
 
-    def prepare(self, batch: Batch) -> tuple[tuple, torch.Tensor]:
+    @contextlib.contextmanager
+    def routed_step(self):
+        """With ``model.expert=both``: this step's expert pinned (every micro-batch on every rank
+        trains it), yielding the range its timesteps are drawn from; unpinned after, so sampling
+        and validation route each sample by its time. Yields None for other models."""
+        if self.routing is None:
+            yield None
+            return
+        route = self.routing.route(self.step)
+        self.model.pinned = route.expert
+        try:
+            yield route.time_range
+        finally:
+            self.model.pinned = None
+
+    def prepare(self, batch: Batch, time_range: tuple[float, float] | None = None) -> tuple[tuple, torch.Tensor]:
         """The model inputs of one micro-batch (the family's ``model_inputs``: x_t, t, then its
         conditions) and its velocity target; the batch's ``noise_seed`` draws its noise,
-        timesteps, dropout and frame masks (x_mask only with ``diffusion.mask_ratios``)."""
-        x0, y, y_mask, size, given = self.features(batch)
+        timesteps (within ``time_range`` if given), dropout and frame masks (x_mask only with
+        ``diffusion.mask_ratios``)."""
+        x0, y, y_mask, size, given, image = self.features(batch)
         n = x0.shape[0]
         generator = torch.Generator().manual_seed(batch.noise_seed)
         ratio = self.flow.shift_ratio(size[-2], size[-1], x0.shape[2])
-        t = self.flow.sample_timesteps(n, ratio, generator, self.device)
+        t = self.flow.sample_timesteps(n, ratio, generator, self.device, time_range)
         noise = torch.randn(x0.shape, generator=generator).to(self.device)
         drop = (torch.rand(n, generator=generator) < self.cfg.diffusion.caption_dropout).to(self.device)
         x_t = self.flow.interpolate(x0, noise, t)
@@ -302,15 +331,15 @@ class Trainer:
         if self.conditioning is not None:
             x_t, x_mask = self.conditioning.apply(x_t, x0, generator)
         cond = Conditions(y, y_mask, drop, batch.fps.to(self.device, non_blocking=True), height, width, x_mask,
-                          given=given)
+                          image=image, given=given)
         return self.spec.model_inputs(x_t, t, cond), self.flow.velocity_target(x0, noise)
 
     def features(self, batch: Batch | CachedBatch) -> tuple:
         """(x0 latents, caption embeddings, caption mask, (frames, height, width) in pixels, the given
-        first frame's input channels of an i2v model or None) of one micro-batch: encoded here, or
-        read from ``data.cache``."""
+        first frame's input channels of an i2v model or None, its image features or None) of one
+        micro-batch: encoded here, or read from ``data.cache``."""
         if isinstance(batch, CachedBatch):
-            return (*batch.features(self.device), batch.pixels, None)
+            return (*batch.features(self.device), batch.pixels, None, None)
         video = batch.video.to(self.device, non_blocking=True)   # pinned by the loader on GPUs: asynchronous
         encode_autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.encode_in_bf16
                            else contextlib.nullcontext())
@@ -318,7 +347,8 @@ class Trainer:
             x0 = self.vae.encode(video).float()
             y, y_mask = self.text.encode(batch.text)
             given = first_frame_given(self.model, self.vae, video)
-        return x0, y.float(), y_mask, tuple(video.shape[-3:]), given
+            image = first_frame_features(self.image_encoder, video)
+        return x0, y.float(), y_mask, tuple(video.shape[-3:]), given, image
 
     def batches(self):
         """Batches forever, each with its noise seed; ``state.progress`` (epoch, offset) always
@@ -376,6 +406,14 @@ class Trainer:
         frames, height, width = self.vae.latent_size(cfg.data.num_frames, cfg.data.height, cfg.data.width)
         return (*self.spec.token_grid(model.geometry, frames, height, width), cfg.text.max_length)
 
+    def _expert_routing(self) -> ExpertRouting | None:
+        cfg = self.cfg
+        if cfg.model.expert != "both":
+            return None
+        frames, height, width = self.vae.latent_size(cfg.data.num_frames, cfg.data.height, cfg.data.width)
+        ratio = self.flow.shift_ratio(cfg.data.height, cfg.data.width, frames)
+        return ExpertRouting(self.flow, cfg.model.expert_boundary, ratio, cfg.train.seed)
+
     def _validation_due(self) -> bool:
         every = self.cfg.validation.every_steps
         return bool(every) and self.step % every == 0
@@ -391,13 +429,16 @@ class Trainer:
         model = self.eval_model()
         if model is not None:
             self.last_validation = self.validator.evaluate(model, self.vae, self.text, self.flow,
-                                                           self.parallel.autocast)
+                                                           self.parallel.autocast, self.image_encoder)
             metrics.log(self.step, self.last_validation)
         return self.last_validation
 
     # ------------------------------------------------------------------ run folder, samples
 
-    def write_samples(self) -> list[Path]:
+    def write_samples(self, metrics: MetricsLogger | None = None) -> list[Path]:
+        """The sample clips of this step as mp4s in the run folder, also handed to ``metrics``'s
+        loggers (TensorBoard, W&B). Each prompt's noise depends only on (train.seed, its index),
+        so the clips of successive steps start from the same noise."""
         cfg = self.cfg
         if cfg.data.cache:   # no VAE or text encoder was built
             if self.is_main:
@@ -415,11 +456,14 @@ class Trainer:
         clips = generate(model, self.vae, self.text, self.flow, cfg.sample.prompts,
                          num_frames=cfg.sample.num_frames or cfg.data.num_frames,
                          height=cfg.sample.height or cfg.data.height, width=cfg.sample.width or cfg.data.width,
-                         steps=cfg.sample.steps, guidance=cfg.sample.cfg, fps=cfg.sample.fps,
+                         steps=cfg.sample.steps, guidance=guidance_of(cfg), fps=cfg.sample.fps,
                          seed=cfg.train.seed, device=self.device, sampler=cfg.sample.sampler,
                          negative_prompt=cfg.sample.negative_prompt)
-        return write_clips(self.run_dir / "samples" / f"step-{self.step:07d}", cfg.sample.prompts, clips,
-                           cfg.sample.fps)
+        paths = write_clips(self.run_dir / "samples" / f"step-{self.step:07d}", cfg.sample.prompts, clips,
+                            cfg.sample.fps)
+        if metrics is not None:
+            metrics.log_samples(self.step, cfg.sample.prompts, clips, paths, cfg.sample.fps)
+        return paths
 
     def eval_model(self):
         """The model to validate and sample with, on rank 0 (None on other ranks): a plain copy

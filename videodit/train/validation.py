@@ -12,7 +12,7 @@ from collections import defaultdict
 
 import torch
 
-from videodit.components import first_frame_given
+from videodit.components import first_frame_features, first_frame_given
 from videodit.config import Config
 from videodit.data.feature_cache import CachedBatch, build_cached_validation_data
 from videodit.data.loader import build_validation_data
@@ -44,27 +44,29 @@ class Validator:
         return torch.full((n,), u)
 
     @torch.no_grad()
-    def evaluate(self, model, vae, text, flow: RectifiedFlow, autocast) -> dict:
-        """``{"val_loss": overall, "val_loss/<resolution>x<frames>": per bucket}``."""
+    def evaluate(self, model, vae, text, flow: RectifiedFlow, autocast, image_encoder=None) -> dict:
+        """``{"val_loss": overall, "val_loss/<resolution>x<frames>": per bucket}``; ``image_encoder``:
+        the image features of the given frame, for a model that embeds them (Wan 2.1 I2V)."""
         was_training = model.training
         model.eval()
         totals, counts = defaultdict(float), defaultdict(int)
         for index, batch in enumerate(self.loader):
             if isinstance(batch, CachedBatch):
                 x0, y, y_mask = batch.features(self.device)
-                size, given = batch.pixels, None
+                size, given, image = batch.pixels, None, None
             else:
                 video = batch.video.to(self.device)
                 x0 = vae.encode(video)
                 y, y_mask = text.encode(batch.text)
                 size = tuple(video.shape[2:])
                 given = first_frame_given(model, vae, video)
+                image = first_frame_features(image_encoder, video)
             n = x0.shape[0]
             ratio = flow.shift_ratio(size[-2], size[-1], x0.shape[2])
             generator = torch.Generator().manual_seed(index)   # the same noise at every evaluation
             noise = torch.randn(x0.shape, generator=generator).to(self.device)
             keep = torch.zeros(n, dtype=torch.bool, device=self.device)
-            cond = Conditions(y, y_mask, keep, batch.fps.to(self.device), *size[-2:], given=given)
+            cond = Conditions(y, y_mask, keep, batch.fps.to(self.device), *size[-2:], image=image, given=given)
             loss = 0.0
             for t_value in self.timesteps:
                 t = flow.shift(self._within_range(flow, t_value, ratio, n), ratio).to(self.device)

@@ -7,8 +7,10 @@ under the boundary, and guides each expert with its own scale (``wan/text2video.
 ``high_noise_model/`` and ``low_noise_model/`` in Wan's download, ``transformer/`` (high) and
 ``transformer_2/`` (low) in diffusers' pipeline.
 
-Pure: no torch.distributed. Training one expert is training a WanDiT on its timestep range
-(``diffusion.timestep_range``); this module is for sampling with both.
+Training one expert (``model.expert=high|low``) is training a WanDiT on its timestep range;
+``model.expert=both`` trains a WanExperts, each step routed to one expert
+(``diffusion/expert_routing.py``). Pure: no torch.distributed; the parallel layers are applied to
+each of :meth:`WanExperts.models` from outside.
 """
 
 from __future__ import annotations
@@ -62,13 +64,22 @@ class WanExperts(nn.Module):
         self.high_noise_model, self.low_noise_model = high, low
         self.boundary = boundary
         self.geometry = high.geometry
+        # Training both (diffusion/expert_routing.py): the step's expert takes every sample, even one
+        # whose time rounds to the other side; None routes each sample by its time.
+        self.pinned: str | None = None
 
     def expert(self, name: str) -> WanDiT:
         return self.high_noise_model if name == "high" else self.low_noise_model
 
+    def models(self) -> list[WanDiT]:
+        """The experts, high then low: each a whole WanDiT with its own ``blocks``."""
+        return [self.high_noise_model, self.low_noise_model]
+
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """WanDiT's forward, with t [B] per sample: each sample through its own expert (a batch on
         one side of the boundary, as in sampling, runs one expert on the whole batch)."""
+        if self.pinned is not None:
+            return self.expert(self.pinned)(x, t, context, *args, **kwargs)
         if t.dim() != 1:
             raise UserError("a two-expert Wan model routes by the time of each sample: give t per sample [B]")
         high = high_noise(t, self.boundary)

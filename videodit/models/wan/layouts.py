@@ -321,6 +321,27 @@ def read_wan_folder(path: str | Path) -> tuple[WanGeometry, LazyTensors]:
     return geometry, tensors
 
 
+def read_experts_folder(path: str | Path) -> tuple[WanGeometry, LazyTensors]:
+    """(geometry, the tensors of both experts) of a two-expert model (Wan 2.2 A14B), named as in a
+    ``WanExperts``: ``high_noise_model.*`` and ``low_noise_model.*``."""
+    geometries, sources = [], {}
+    for expert, prefix in (("high", "high_noise_model."), ("low", "low_noise_model.")):
+        geometry, tensors = read_wan_folder(expert_folder(path, expert))
+        geometries.append(geometry)
+        sources.update({prefix + name: source for name, source in tensors.sources.items()})
+    if geometries[0] != geometries[1]:
+        raise UserError(f"the two experts in {path} have different config.json sizes; restore the download")
+    return geometries[0], LazyTensors(sources)
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The DiT weight files of a Wan folder (both experts' of a two-expert model): what a LoRA
+    base's fingerprint covers, not a pipeline's text encoder or VAE."""
+    if is_experts_folder(path):
+        return [file for expert in ("high", "low") for file in weight_files(expert_folder(path, expert))]
+    return _weight_files(_model_folder(Path(path)))
+
+
 def _short(exc: BaseException, limit: int = 160) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) <= limit else text[:limit] + "..."

@@ -188,19 +188,20 @@ class WanAttention(nn.Module):
     """Self- (``kind="self"``, with RoPE) or cross-attention (``kind="cross"``, to the text).
 
     Separate q/k/v projections (Wan's own layout) so tensor parallelism can shard them by heads.
-    With ``image_tokens`` (Wan 2.1 I2V's cross-attention), the first ``image_tokens`` context
-    tokens are the image's: the queries attend to them through ``k_img``/``v_img`` separately
-    and the two results are summed before ``o``."""
+    With ``text_len`` (Wan 2.1 I2V's cross-attention), the context is image tokens followed by
+    ``text_len`` text tokens: the queries attend to the image's through ``k_img``/``v_img``
+    separately and the two results are summed before ``o``. The image's token count is whatever
+    the encoder gives (257 for CLIP ViT-H/14 at 224 px; Wan hard-codes 257, diffusers does not)."""
 
-    def __init__(self, dim: int, num_heads: int, qk_norm: bool, eps: float, kind: str, image_tokens: int = 0):
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool, eps: float, kind: str, text_len: int = 0):
         super().__init__()
         self.head_dim = dim // num_heads
         self.kind = kind
-        self.image_tokens = image_tokens
+        self.text_len = text_len
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
         self.norm_q = RMSNormAcrossHeads(dim, eps) if qk_norm else nn.Identity()
         self.norm_k = RMSNormAcrossHeads(dim, eps) if qk_norm else nn.Identity()
-        if image_tokens:
+        if text_len:
             self.k_img, self.v_img = nn.Linear(dim, dim), nn.Linear(dim, dim)
             self.norm_k_img = RMSNormAcrossHeads(dim, eps) if qk_norm else nn.Identity()
         self.backend: AttentionBackend = SDPA
@@ -210,15 +211,15 @@ class WanAttention(nn.Module):
         """x: [B, L, D]; context: [B, L_image + L_text, D] for cross-attention (None: self-attention)."""
         x = to_weight_dtype(x, self.q)
         source = x if context is None else to_weight_dtype(context, self.k)
-        if self.image_tokens:
-            image, source = source[:, :self.image_tokens], source[:, self.image_tokens:]
+        if self.text_len:
+            image, source = source[:, :-self.text_len], source[:, -self.text_len:]
         q = split_heads(self.norm_q(self.q(x)), self.head_dim)
         k = split_heads(self.norm_k(self.k(source)), self.head_dim)
         v = split_heads(self.v(source), self.head_dim)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = self.backend(q, k, v, kind=self.kind)
-        if self.image_tokens:
+        if self.text_len:
             k_img = split_heads(self.norm_k_img(self.k_img(image)), self.head_dim)
             out = out + self.backend(q, k_img, split_heads(self.v_img(image), self.head_dim), kind=self.kind)
         return self.o(merge_heads(out).to(self.o.weight.dtype))
@@ -243,7 +244,7 @@ class WanBlock(nn.Module):
         # Wan's names: norm3 is the (affine) norm before cross-attention, norm2 the one before the MLP.
         self.norm3 = FP32LayerNorm(g.dim, g.eps, elementwise_affine=True) if g.cross_attn_norm else nn.Identity()
         self.cross_attn = WanAttention(g.dim, g.num_heads, g.qk_norm, g.eps, kind="cross",
-                                       image_tokens=g.image_tokens)
+                                       text_len=g.text_len if g.image_dim else 0)
         self.norm2 = FP32LayerNorm(g.dim, g.eps, elementwise_affine=False)
         self.ffn = nn.Sequential(nn.Linear(g.dim, g.ffn_dim), nn.GELU(approximate="tanh"),
                                  nn.Linear(g.ffn_dim, g.dim))

@@ -19,6 +19,7 @@ from videodit.errors import UserError
 from videodit.models.flop_count import FlopCount
 from videodit.models.spec import ActivationDims, Conditions, ModelSpec, TensorParallelPlan
 from videodit.models.wan import flops, layouts
+from videodit.models.wan.experts import expert_folder, is_experts_folder
 from videodit.models.wan.model import I2V_MASK_CHANNELS, WanDiT, WanGeometry, unpatchify
 from videodit.models.wan.stage import WanStage, stage_io
 
@@ -29,8 +30,11 @@ def _block_plan(block: nn.Module) -> dict:
     """Megatron pairs: q, k, v column-wise (heads split over ranks), o row-wise, in both
     attentions; the FFN's first linear column-wise, its second row-wise."""
     def attention(prefix: str, inputs: tuple) -> dict:
-        return {prefix: ("inputs", inputs), f"{prefix}.q": "colwise", f"{prefix}.k": "colwise",
+        plan = {prefix: ("inputs", inputs), f"{prefix}.q": "colwise", f"{prefix}.k": "colwise",
                 f"{prefix}.v": "colwise", f"{prefix}.o": "rowwise"}
+        if hasattr(block.get_submodule(prefix), "k_img"):   # Wan 2.1 I2V: the image's keys and values too
+            plan.update({f"{prefix}.k_img": "colwise", f"{prefix}.v_img": "colwise"})
+        return plan
     return {**attention("self_attn", ("replicate",)),            # rope comes as a keyword, whole
             **attention("cross_attn", ("replicate", "replicate")),   # video tokens, text tokens
             "ffn": ("inputs", ("replicate",)), "ffn.0": "colwise", "ffn.2": "rowwise"}
@@ -59,9 +63,16 @@ class WanSpec(ModelSpec):
     released_format = "wan2.1"
     released_short = "Wan"
     released_fix = "use a Wan preset of the same size (model.preset=wan2.1-t2v-1.3b or wan2.1-t2v-14b)"
-    export_formats = layouts.LAYOUTS   # ("wan", "diffusers")
+    export_formats = (*layouts.LAYOUTS, "comfyui")   # ("wan", "diffusers"); comfyui: one file, Wan's names
+    lora_formats = ("diffusers", "comfyui", "peft")
+
+    def lora_module_name(self, fmt: str, module: str) -> str:
+        """diffusers' names for diffusers' WanTransformer3DModel; Wan's own for ComfyUI and peft."""
+        return layouts.diffusers_name(module) if fmt == "diffusers" else module
     # Wan 2.2 A14B's download, and diffusers' WanPipeline (transformer = high noise, transformer_2 = low)
-    expert_folders = {"wan": ("high_noise_model", "low_noise_model"), "diffusers": ("transformer", "transformer_2")}
+    expert_folders = {"wan": ("high_noise_model", "low_noise_model"), "diffusers": ("transformer", "transformer_2"),
+                      "comfyui": ("high_noise_model", "low_noise_model")}   # each holding <folder>.safetensors
+    expert_prefixes = ("high_noise_model.", "low_noise_model.")   # WanExperts' attributes
     # Where a block's inputs are indexed by token, for sequence parallelism: x [B, L, D] on dim 1,
     # e0 on dim 1 when it is per token ([B, L, 6, D], 4 dims; [B, 6, D] stays whole), rope on dim 0.
     sequence_args = {0: 1, 1: (1, 4), 3: 0}
@@ -92,17 +103,19 @@ class WanSpec(ModelSpec):
         mask[:, :, 0] = 1
         return torch.cat([mask, first_frame_latents], dim=1)
 
-    def combine_experts(self, high, low, boundary, guidance):
+    def combine_experts(self, high, low, boundary):
         """Wan 2.2 A14B: the experts switch where Wan's integer timestep crosses boundary x 1000."""
-        from videodit.models.wan.experts import WanExperts, expert_guidance
-        return WanExperts(high, low, boundary), expert_guidance(boundary, guidance)
+        from videodit.models.wan.experts import WanExperts
+        return WanExperts(high, low, boundary)
 
-    def not_built(self, geometry: WanGeometry) -> str | None:
-        if geometry.image_dim:
-            return ("Wan 2.1 I2V's CLIP image features are not built yet (neither training nor sampling); it "
-                    "imports, exports and plans as a model: use a Wan 2.2 i2v expert (wan2.2-i2v-a14b), "
-                    "wan2.2-ti2v-5b or a t2v model, or see docs/wan.md")
-        return None
+    def expert_guidance(self, boundary, guidance):
+        from videodit.models.wan.experts import expert_guidance
+        return expert_guidance(boundary, guidance)
+
+    def build_image_encoder(self, path, dtype):
+        """Wan 2.1 I2V's CLIP ViT-H/14 (``models/wan/clip.py``), from either layout."""
+        from videodit.models.wan.clip import load_wan_image_encoder   # transformers, only when asked
+        return load_wan_image_encoder(path, dtype=dtype)
 
     def build(self, geometry: WanGeometry) -> WanDiT:
         return WanDiT(geometry)
@@ -133,13 +146,25 @@ class WanSpec(ModelSpec):
 
     def read_released(self, path, ema: bool = False):
         """Read lazily: each tensor is read from its shard when it is asked for."""
+        if is_experts_folder(path):
+            return layouts.read_experts_folder(path)
         return layouts.read_wan_folder(path)
+
+    def released_files(self, path):
+        return layouts.weight_files(path)
+
+    def expert_source(self, path, expert):
+        return expert_folder(path, expert) if is_experts_folder(path) else None
 
     def load_released(self, path, ema: bool = False) -> WanDiT:
         """Built on the meta device and filled shard by shard: a 14B model is held once."""
         return layouts.load_wan(path, dtype=torch.float32)
 
     def export_released(self, fmt: str, geometry: WanGeometry, tensors):
+        if fmt == "comfyui":   # ComfyUI's "Load Diffusion Model": one file, no config, named after the folder
+            from videodit.models.wan.comfyui import check_comfyui_loadable
+            check_comfyui_loadable(geometry)
+            return dict(tensors), {}, "{folder}.safetensors"
         if fmt == "diffusers":
             layouts.check_diffusers_writable(geometry)
             return layouts.to_diffusers(tensors), {"config.json": json.dumps(layouts.diffusers_config(geometry),
@@ -199,7 +224,7 @@ class WanSpec(ModelSpec):
         # whole weights (they are small), so they stay replicated.
         return TensorParallelPlan(block=_block_plan,
                                   root={"text_embedding.0": "colwise", "text_embedding.2": "rowwise"},
-                                  sharded_norms=("norm_q", "norm_k"))
+                                  sharded_norms=("norm_q", "norm_k", "norm_k_img"))
 
     def dynamic_dims(self, args):
         """WanBlock(x [B, L, D], e0 [B, 6, D] or per token [B, L, 6, D], context, rope [L, ...]):
