@@ -113,6 +113,10 @@ def test_lora_on_both_experts_saves_both_adapters_and_resumes_exactly(toy_dir, t
     assert all(".lora_" in name for name in adapters)
     merged = export(straight, tmp_path / "merged", merge_lora=True)
     assert sorted(p.name for p in merged.iterdir()) == ["high_noise_model", "low_noise_model"]
+    # the adapters alone, one file per expert as ComfyUI's Wan 2.2 workflows name them
+    assert main(["ckpt", "export", str(straight), str(tmp_path / "lora"), "--lora-format", "diffusers"]) == 0
+    files = sorted(p.name for p in (tmp_path / "lora").iterdir())
+    assert len(files) == 2 and "high_noise" in files[0] and "low_noise" in files[1], files
 
 
 @pytest.mark.parametrize("args, message", [
