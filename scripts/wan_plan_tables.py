@@ -2,7 +2,7 @@
 
     python scripts/wan_plan_tables.py
 
-For each model (I2V-14B, TI2V-5B, one A14B expert), LoRA and full fine-tune: the predicted peak at
+For each model (I2V-14B, TI2V-5B, one A14B expert, both A14B experts in one run), LoRA and full fine-tune: the predicted peak at
 batch 1 and the largest batch per GPU size, with the encoders on the GPU (``--encoder-mem``) or
 cached, on 1 and 8 GPUs (FSDP over every rank, sp as listed). Offline: nothing is loaded but the
 config; the encoder sizes are those of the released files (docs/wan.md).
@@ -23,6 +23,8 @@ MODELS = {
     "Wan 2.2 TI2V-5B, 1280x704 x 121": ("wan2.2-ti2v-5b-lora", ["model.init_from=null"], (121, 704, 1280), 0),
     "Wan 2.2 A14B, one expert, 480p x 81": ("wan2.2-t2v-a14b-high-lora", ["model.init_from=null"],
                                            (81, 480, 832), 0),
+    "Wan 2.2 A14B, both experts in one run, 480p x 81": ("wan2.2-t2v-a14b-lora", ["model.init_from=null"],
+                                                         (81, 480, 832), 0),
 }
 LAYOUTS = [(1, 1), (8, 1), (8, 2), (8, 4), (8, 8)]   # (GPUs, sp)
 GPU_SIZES = (24, 48, 80)
