@@ -1,5 +1,7 @@
 """``videodit cache build``: decode every sample of a config's data once, encode it with the
-config's VAE and text encoder, and store latents and valid caption tokens in shards.
+config's VAE and text encoder, and store latents and valid caption tokens in shards; for a model
+that takes a given first frame (Wan i2v), also that frame's latents and, where the model embeds
+them (Wan 2.1 I2V), its image features (data/feature_cache/conditions.py).
 
 The samples and their frames are exactly those on-the-fly training draws: the config's bucket
 plan assigns view ``v`` as epoch ``v`` (``plan_items``), and ``VideoDataset.load`` decodes the
@@ -25,10 +27,11 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from videodit.components import build_encoders
+from videodit.components import build_encoders, build_image_encoder, first_frame_features, model_geometry
 from videodit.config import Config
 from videodit.data.buckets.plan import BucketPlan
 from videodit.data.dataset import VideoDataset
+from videodit.data.feature_cache import conditions
 from videodit.data.feature_cache.format import (DTYPES, FAILED, FORMAT, INDEX, LOCK, MANIFEST, MAX_FRAMES,
                                                 SHARDS, VALIDATION, VERSION, bucket_layout, encoder_identity,
                                                 jsonable, read_manifest, remove_leftovers, same_build, shard_name,
@@ -40,10 +43,29 @@ from videodit.data.feature_cache.writer import (Items, ShardWriter, finish_index
 from videodit.data.metadata import read_metadata
 from videodit.data.video import VideoReadError
 from videodit.errors import UserError
+from videodit.models.families import get_spec
 from videodit.parallel.distributed import join_process_group, pick_device
 from videodit.toy.make import ensure_toy_data
 
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class Encoders:
+    """The frozen encoders of a build, and what they are asked to store beyond latents and captions."""
+
+    vae: object
+    text: object
+    image: object | None       # the image encoder of a model that embeds the given frame's features
+    conditions: tuple[str, ...]   # conditions.py: the first-frame conditions the config's model takes
+    in_bf16: bool              # encode under bf16 autocast, as the trainer does on GPUs
+    device: torch.device
+
+
+def _wanted_conditions(cfg: Config, vae, text, image) -> tuple[str, ...]:
+    """What the config's model takes from each clip's first frame, asked of its family's spec."""
+    geometry = model_geometry(cfg, vae.latent_channels, text.dim)
+    return conditions.wanted(get_spec(cfg.model.family).takes_first_frame(geometry), image is not None)
 
 
 @dataclass
@@ -74,15 +96,16 @@ def build_cache(cfg: Config, out: str | Path, *, views: int = 1, shard_size: int
     try:
         _on_main(lambda: ensure_toy_data(cfg))
         vae, text = build_encoders(cfg, device)
+        image = build_image_encoder(cfg, device)   # None unless the model embeds image features
         in_bf16 = device.type == "cuda" and cfg.train.precision in ("auto", "bf16")   # as the trainer encodes
         if in_bf16:
             text.to(torch.bfloat16)
+        encoders = Encoders(vae, text, image, _wanted_conditions(cfg, vae, text, image), in_bf16, device)
         out = Path(out)
-        parts = [_part(cfg, out, cfg.data.csv, "data.csv", views, None, vae, text, dtype, shard_size, batch_size,
-                       in_bf16)]
+        parts = [_part(cfg, out, cfg.data.csv, "data.csv", views, None, encoders, dtype, shard_size, batch_size)]
         if cfg.validation.csv:
             parts.append(_part(cfg, out / VALIDATION, cfg.validation.csv, "validation.csv", 1,
-                               cfg.validation.max_samples, vae, text, dtype, shard_size, batch_size, in_bf16))
+                               cfg.validation.max_samples, encoders, dtype, shard_size, batch_size))
         def prepare() -> list[str]:
             _refuse_foreign(out)   # before the lock: a folder of other files gets no .lock written into it
             lock.acquire()
@@ -94,8 +117,8 @@ def build_cache(cfg: Config, out: str | Path, *, views: int = 1, shard_size: int
             dist.destroy_process_group()
         started, encoded = time.perf_counter(), 0
         for part in parts:
-            encoded += _encode_shards(cfg, part, vae, text, device, rank, world, batch_size, _TORCH_DTYPES[dtype],
-                                      in_bf16, show=rank == 0)
+            encoded += _encode_shards(cfg, part, encoders, device, rank, world, batch_size, _TORCH_DTYPES[dtype],
+                                      show=rank == 0)
         seconds = time.perf_counter() - started
         rate = encoded / seconds if seconds > 0 else 0.0
         if rank != 0:
@@ -129,14 +152,15 @@ def _on_main(fn):
     return box[0][1]
 
 
-def _part(cfg: Config, folder: Path, csv: str, option: str, views: int, limit: int | None, vae, text, dtype: str,
-          shard_size: int, batch_size: int, in_bf16: bool) -> Part:
+def _part(cfg: Config, folder: Path, csv: str, option: str, views: int, limit: int | None, encoders: Encoders,
+          dtype: str, shard_size: int, batch_size: int) -> Part:
     meta = read_metadata(csv, bad_rows=cfg.data.bad_rows, option=option, cache=cfg.data.metadata_cache)
     plan = BucketPlan(meta, cfg.data, cfg.train.batch_size, cfg.train.seed)
     items = plan_items(plan.assign, views, limit)
     if not len(items):
         raise UserError(f"no sample of {csv} lands in a bucket, so there is nothing to cache "
                         f"(videodit buckets {csv} --config CONFIG shows why)")
+    vae, text = encoders.vae, encoders.text
     s = vae.spatial_compression
     frames = []
     for n in range(1, MAX_FRAMES + 1):
@@ -151,14 +175,25 @@ def _part(cfg: Config, folder: Path, csv: str, option: str, views: int, limit: i
         "source": {"csv": str(Path(csv).expanduser().resolve()), "digest": meta.digest, "rows": len(meta)},
         "encoders": encoder_identity(cfg), "layout": bucket_layout(cfg.data, plan.buckets),
         "seed": cfg.train.seed, "views": views, "dtype": dtype, "latents": "mode",
-        "encode_precision": "bf16 autocast" if in_bf16 else "fp32", "encode_batch": batch_size,
+        "encode_precision": "bf16 autocast" if encoders.in_bf16 else "fp32", "encode_batch": batch_size,
         "latent": {"channels": vae.latent_channels, "spatial_compression": vae.spatial_compression,
                    "temporal_compression": vae.temporal_compression, "frames": frames, "shapes": shapes},
         "text_geometry": {"dim": text.dim, "max_length": text.max_length},
         "items": len(items), "items_digest": items.digest(), "shard_size": shard_size,
         "shards": shard_count(len(items), shard_size),
+        **conditions.manifest_entries(encoders.conditions, *_image_geometry(encoders, plan.buckets[0])),
     })
     return Part(folder, meta, plan, items, manifest)
+
+
+def _image_geometry(encoders: Encoders, bucket) -> tuple[int | None, int | None]:
+    """(tokens, dim) of the image encoder's features of one frame (None, None without one), from
+    a grey frame of ``bucket``'s size (the manifest is written before anything is encoded)."""
+    if encoders.image is None:
+        return None, None
+    frame = torch.zeros(1, 3, 1, bucket.height, bucket.width, device=encoders.device)
+    features = first_frame_features(encoders.image, frame)
+    return int(features.shape[1]), int(features.shape[2])
 
 
 def _refuse_foreign(folder: Path) -> None:
@@ -237,8 +272,8 @@ def _groups(items: Items, shards: list[int], shard_size: int, batch_size: int) -
     return out
 
 
-def _encode_shards(cfg: Config, part: Part, vae, text, device: torch.device, rank: int, world: int, batch_size: int,
-                   dtype: torch.dtype, in_bf16: bool, show: bool) -> int:
+def _encode_shards(cfg: Config, part: Part, encoders: Encoders, device: torch.device, rank: int, world: int,
+                   batch_size: int, dtype: torch.dtype, show: bool) -> int:
     """Encode and write this rank's unfinished shards of ``part``; returns the clips read."""
     shards = part.manifest["shards"]
     mine = [s for s in range(rank, shards, world) if not shard_done(part.folder, s)]
@@ -253,7 +288,7 @@ def _encode_shards(cfg: Config, part: Part, vae, text, device: torch.device, ran
     total = sum(len(g) for _, g in groups)
     bar = tqdm(total=total, desc=f"cache {part.folder.name}", unit="clip", dynamic_ncols=True,
                disable=None if show else True)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if in_bf16 else contextlib.nullcontext()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if encoders.in_bf16 else contextlib.nullcontext()
     items, writer, done, started, shown = part.items, None, 0, time.perf_counter(), time.perf_counter()
     try:
         for (shard, positions), samples in zip(groups, loader):
@@ -271,11 +306,12 @@ def _encode_shards(cfg: Config, part: Part, vae, text, device: torch.device, ran
             if good:
                 video = torch.stack([s["video"] for _, s in good]).to(device)
                 with torch.no_grad(), autocast:
-                    latents = vae.encode(video).float()
-                    y, mask = text.encode([s["text"] for _, s in good])
+                    latents = encoders.vae.encode(video).float()
+                    y, mask = encoders.text.encode([s["text"] for _, s in good])
+                    extra = _first_frame_conditions(encoders, video)
                 for j, (p, sample) in enumerate(good):
                     writer.add(int(items.clip[p]), int(items.view[p]), int(items.bucket[p]), float(sample["fps"]),
-                               latents[j], y[j].float(), mask[j])
+                               latents[j], y[j].float(), mask[j], {name: t[j] for name, t in extra.items()})
             done += len(positions)
             bar.update(len(positions))
             now = time.perf_counter()
@@ -288,6 +324,20 @@ def _encode_shards(cfg: Config, part: Part, vae, text, device: torch.device, ran
     finally:
         bar.close()
     return done
+
+
+def _first_frame_conditions(encoders: Encoders, video: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The first-frame conditions ``encoders.conditions`` of a batch ``video`` [B, 3, T, H, W], as
+    training on the fly computes them: the VAE latents of the clip with every frame after the
+    first zero (``components.first_frame_given`` before its mask), and the image features."""
+    out = {}
+    if conditions.FIRST_FRAME in encoders.conditions:
+        first = torch.zeros_like(video)
+        first[:, :, 0] = video[:, :, 0]
+        out[conditions.FIRST_FRAME] = encoders.vae.encode(first).float()
+    if conditions.IMAGE in encoders.conditions:
+        out[conditions.IMAGE] = first_frame_features(encoders.image, video)
+    return out
 
 
 def _finish(part: Part, say) -> None:

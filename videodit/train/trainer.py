@@ -112,9 +112,10 @@ class Trainer:
             raise UserError(f"diffusion.mask_ratios (Open-Sora 1.2's frame masks) is not supported by the "
                             f"{cfg.model.family} family; remove it")
         model = build_model(cfg, self.vae, self.text)
-        if self.spec.takes_first_frame(model.geometry) and cfg.data.cache:
-            raise UserError("data.cache holds no latents of the given first frames an i2v model takes; train it "
-                            "from data.csv (leave data.cache unset)")
+        cached_conditions = ()   # an i2v model's given frame (and image features) must be in the cache: one line if not
+        if cfg.data.cache:
+            cached_conditions = self.data.require_conditions(first_frame=self.spec.takes_first_frame(model.geometry),
+                                                             image=cfg.model.image_dim is not None)
         if cfg.model.init_from:
             cfg.model.init_from = expert_init_source(cfg)
         lora_base = None
@@ -157,8 +158,8 @@ class Trainer:
                                              save_total_limit=ck.save_total_limit, keep_best=ck.keep_best,
                                              metric=ck.metric, mode=ck.mode)
         self.validator = Validator(cfg, cfg.validation.csv, device=self.device,
-                                   num_timesteps=cfg.validation.num_timesteps,
-                                   max_samples=cfg.validation.max_samples) if cfg.validation.csv else None
+                                   num_timesteps=cfg.validation.num_timesteps, max_samples=cfg.validation.max_samples,
+                                   conditions=cached_conditions) if cfg.validation.csv else None
         self.last_validation: dict = {}
         self.output_error: str | None = None   # a failed write of samples (see _write_outputs)
         self.skipped_steps = 0   # updates skipped for a NaN/inf loss or gradient (train.on_nonfinite=skip)
@@ -338,8 +339,10 @@ class Trainer:
         """(x0 latents, caption embeddings, caption mask, (frames, height, width) in pixels, the given
         first frame's input channels of an i2v model or None, its image features or None) of one
         micro-batch: encoded here, or read from ``data.cache``."""
-        if isinstance(batch, CachedBatch):
-            return (*batch.features(self.device), batch.pixels, None, None)
+        if isinstance(batch, CachedBatch):   # the given frame's mask is derived here, not stored
+            first, image = batch.conditions(self.device)
+            given = None if first is None else self.spec.first_frame_condition(first)
+            return (*batch.features(self.device), batch.pixels, given, image)
         video = batch.video.to(self.device, non_blocking=True)   # pinned by the loader on GPUs: asynchronous
         encode_autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.encode_in_bf16
                            else contextlib.nullcontext())

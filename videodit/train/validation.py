@@ -23,12 +23,14 @@ from videodit.models.spec import Conditions
 
 class Validator:
     def __init__(self, cfg: Config, csv: str, *, device: torch.device, num_timesteps: int = 10,
-                 max_samples: int = 256):
+                 max_samples: int = 256, conditions: tuple[str, ...] = ()):
+        """``conditions``: what an i2v model takes from a feature cache's validation set (its given
+        frame's latents, image features; ``data/feature_cache/conditions.py``)."""
         self.device = device
         self.timesteps = [(i + 0.5) / num_timesteps for i in range(num_timesteps)]
         if cfg.data.cache:   # the cache's validation set: no encoder is built to encode the CSV
             self.loader, self.size = build_cached_validation_data(cfg, csv, batch_size=cfg.train.batch_size,
-                                                                  max_samples=max_samples)
+                                                                  max_samples=max_samples, needed=conditions)
         else:
             self.loader, self.size = build_validation_data(cfg.data, csv, batch_size=cfg.train.batch_size,
                                                            seed=cfg.train.seed, max_samples=max_samples)
@@ -53,7 +55,9 @@ class Validator:
         for index, batch in enumerate(self.loader):
             if isinstance(batch, CachedBatch):
                 x0, y, y_mask = batch.features(self.device)
-                size, given, image = batch.pixels, None, None
+                size = batch.pixels
+                first, image = batch.conditions(self.device)   # an i2v model's, from the cache
+                given = None if first is None else spec_of(model).first_frame_condition(first)
             else:
                 video = batch.video.to(self.device)
                 x0 = vae.encode(video)

@@ -4,6 +4,8 @@ A cache folder holds::
 
     manifest.json                   what was encoded, how, and with which encoders (written first)
     shards/shard-00000.safetensors  latents and valid caption tokens of up to ``shard_size`` samples
+                                    (and, for a model that takes a given first frame, that frame's
+                                    latents and image features: conditions.py)
     shards/shard-00000.parquet      that shard's index rows (written after its tensors: a shard is
                                     complete exactly when this file exists)
     index.parquet                   every encoded sample (written last: the cache is complete)
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from videodit.config import Config, DataConfig
+from videodit.data.feature_cache.conditions import conditions_problem
 from videodit.errors import UserError
 from videodit.user_files import FileTooLarge, NotRegularFile, check_regular_file, open_user_file, read_user_text
 
@@ -53,7 +56,8 @@ def shard_name(shard: int) -> str:
 
 
 def tensor_key(clip: int, view: int, what: str) -> str:
-    """The name of one sample's tensor in its shard: ``latent`` or ``text``."""
+    """The name of one sample's tensor in its shard: ``latent``, ``text``, or a condition
+    (``first_frame``, ``image``)."""
     return f"{clip}.{view}.{what}"
 
 
@@ -112,8 +116,34 @@ def _umt5_digest(folder: Path) -> str:
     return hashlib.sha256(digests.encode()).hexdigest()[:16]
 
 
+def _image_encoder_digest(folder: Path) -> str:
+    """The files the image encoder reads of ``image_encoder.path``, found as the loader finds
+    them: a pipeline folder's ``image_encoder/``, or Wan's ``models_clip*.pth`` in its release
+    folder (beside a 14B DiT that is not the image encoder); any other folder as a whole."""
+    if (folder / "image_encoder" / "config.json").is_file():
+        return folder_digest(folder / "image_encoder")
+    originals = sorted(folder.glob("models_clip*.pth"))
+    if originals:
+        return hashlib.sha256(" ".join(folder_digest(p) for p in originals).encode()).hexdigest()[:16]
+    return folder_digest(folder)
+
+
+def image_encoder_identity(cfg: Config) -> dict | None:
+    """The image encoder a config would build (``model.image_dim``: Wan 2.1 I2V's CLIP), as the
+    cache records it; None for a model without one."""
+    if cfg.model.image_dim is None:
+        return None
+    identity = {"kind": cfg.model.family, "dim": cfg.model.image_dim, "dtype": cfg.image_encoder.dtype}
+    if not cfg.image_encoder.path:
+        return identity
+    where = Path(cfg.image_encoder.path).expanduser()
+    weights = _image_encoder_digest(where) if where.is_dir() else folder_digest(where) if where.is_file() else None
+    return {**identity, "path": str(where.resolve()), "weights": weights}
+
+
 def encoder_identity(cfg: Config) -> dict:
-    """The VAE and text encoder a config would build, as the cache records them."""
+    """The VAE and text encoder a config would build (and its image encoder, for a model with
+    one), as the cache records them."""
     vae = {"kind": cfg.vae.kind, "scaling_factor": cfg.vae.scaling_factor}
     if cfg.vae.kind != "identity":
         vae.update(subfolder=cfg.vae.subfolder, **_model_files(cfg.vae.path, cfg.vae.subfolder))
@@ -124,7 +154,8 @@ def encoder_identity(cfg: Config) -> dict:
         text["dim"] = cfg.text.dim
     else:
         text.update(dtype=cfg.text.dtype, **_model_files(cfg.text.path, kind=cfg.text.kind))
-    return {"vae": vae, "text": text}
+    image = image_encoder_identity(cfg)   # only for a model with one: other caches keep their manifest
+    return {"vae": vae, "text": text, **({"image": image} if image else {})}
 
 
 def bucket_layout(data: DataConfig, buckets) -> dict:
@@ -170,11 +201,15 @@ def _encoder_differs(cached: dict, wanted: dict) -> bool:
 
 def check_compatible(manifest: dict, cfg: Config, buckets, where: str) -> None:
     """Refuse, in one line with the reason and the fix, a cache made for other encoders, another
-    bucket table or another frame sampling than ``cfg``'s."""
+    bucket table or another frame sampling than ``cfg``'s. Image features are compared where both
+    the cache and ``cfg`` have them (whether the model needs conditions the cache lacks is
+    ``conditions.require``'s to say)."""
     fix = f"rebuild it with `videodit cache build CONFIG --out NEW_DIR` for this config, or train with the " \
           f"settings it was built with (`videodit cache info {where}` lists them)"
     wanted = encoder_identity(cfg)
-    for name, key in (("VAE", "vae"), ("text encoder", "text")):
+    for name, key in (("VAE", "vae"), ("text encoder", "text"), ("image encoder", "image")):
+        if key not in wanted or key not in manifest["encoders"]:   # image features: one side has none
+            continue
         cached = manifest["encoders"][key]
         if _encoder_differs(cached, wanted[key]):
             raise UserError(f"data.cache={where} was built with another {name} ({describe_encoder(cached)}; this "
@@ -297,7 +332,7 @@ def manifest_problem(m: dict) -> str | None:
         return "latent.shapes is not one [C, T, H, W] per bucket"
     if not _int_list(latent["frames"]) or min(latent["spatial_compression"], m["text_geometry"]["dim"]) < 1:
         return "latent.frames, latent.spatial_compression or text_geometry.dim is invalid"
-    return None
+    return conditions_problem(m)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -335,8 +370,9 @@ def remove_leftovers(folder: Path) -> int:
 def same_build(a: dict, b: dict) -> bool:
     """Whether two manifests describe the same build (what a resumed build must match)."""
     skip = {"encoders"}
+    encoders = set(a["encoders"]) | set(b["encoders"])   # an image encoder on one side only differs
     return ({k: v for k, v in a.items() if k not in skip} == {k: v for k, v in b.items() if k not in skip}
-            and not any(_encoder_differs(a["encoders"][k], b["encoders"][k]) for k in ("vae", "text")))
+            and not any(_encoder_differs(a["encoders"].get(k, {}), b["encoders"].get(k, {})) for k in encoders))
 
 
 def jsonable(value: Any) -> Any:

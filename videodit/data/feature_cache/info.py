@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from videodit.data.feature_cache.conditions import FIRST_FRAME, IMAGE, describe, held, image_bytes
 from videodit.data.feature_cache.format import (INDEX, SHARDS, VALIDATION, describe_encoder, read_manifest,
                                                 shard_name)
 from videodit.data.feature_cache.reader import read_failed, read_index
@@ -27,12 +28,18 @@ def cache_summary(folder: str | Path) -> dict:
         "latents": manifest["latents"], "encoders": manifest["encoders"], "latent": {
             k: v for k, v in manifest["latent"].items() if k != "frames"}, "text": manifest["text_geometry"],
         "frame_interval": manifest["layout"]["frame_interval"], "seed": manifest["seed"], "bytes": shard_bytes,
+        "conditions": list(held(manifest)), "image_geometry": manifest.get("image_geometry"),
         **check_shards(folder, manifest),
     }
     if summary["complete"]:
         index, _ = read_index(folder, manifest, option="cache folder")   # damaged: one line naming it
         bucket, latent_bytes, text_bytes, tokens = (index[k] for k in ("bucket", "latent_bytes", "text_bytes",
                                                                         "text_len"))
+        # Conditions have no index column: the first frame's latents are a latent's size, image
+        # features the same size for every sample.
+        first_frame_bytes = latent_bytes if FIRST_FRAME in summary["conditions"] else \
+            np.zeros_like(latent_bytes)
+        condition_bytes = first_frame_bytes + image_bytes(manifest)
         rows = []
         for b, shape in enumerate(manifest["layout"]["buckets"]):
             members = bucket == b
@@ -40,10 +47,12 @@ def cache_summary(folder: str | Path) -> dict:
                 rows.append({"resolution": shape[0], "num_frames": shape[1], "ratio": shape[2], "height": shape[3],
                              "width": shape[4], "samples": int(members.sum()),
                              "latent_shape": manifest["latent"]["shapes"].get(str(b)),
-                             "bytes": int(latent_bytes[members].sum() + text_bytes[members].sum())})
+                             "bytes": int(latent_bytes[members].sum() + text_bytes[members].sum()
+                                          + condition_bytes[members].sum())})
         failed = read_failed(folder, manifest)
         summary.update(samples=len(bucket), clips=int(len(np.unique(index["clip"]))), buckets=rows,
                        latent_bytes=int(latent_bytes.sum()), text_bytes=int(text_bytes.sum()),
+                       condition_bytes=int(condition_bytes.sum()),
                        mean_caption_tokens=float(tokens.mean()) if len(tokens) else 0.0,
                        mean_caption_bytes=float(text_bytes.mean()) if len(text_bytes) else 0.0,
                        padded_caption_bytes=manifest["text_geometry"]["max_length"] * manifest["text_geometry"]["dim"]
@@ -108,13 +117,21 @@ def format_summary(s: dict, indent: str = "") -> str:
              f"VAE: {describe_encoder(s['encoders']['vae'])}; latents {s['latent']['channels']} channels, "
              f"{s['latent']['spatial_compression']}x spatial, {s['latent']['temporal_compression']}x temporal",
              f"text: {describe_encoder(s['encoders']['text'])}; {s['text']['dim']} wide, {s['text']['max_length']} "
-             "tokens padded", _integrity(s)]
+             "tokens padded"]
+    if s["conditions"]:
+        which = describe(s["conditions"])
+        if IMAGE in s["conditions"]:
+            g = s["image_geometry"]
+            which += f" ({g['tokens']} x {g['dim']} from {describe_encoder(s['encoders']['image'])})"
+        lines.append(f"first-frame conditions (for a model that takes a given first frame): {which}")
+    lines.append(_integrity(s))
     if s["complete"]:
         samples = max(s["samples"], 1)
         lines.append(f"{s['samples']} samples of {s['clips']} clips; per sample: latent "
                      f"{_size(s['latent_bytes'] / samples)}, "
                      f"caption {_size(s['mean_caption_bytes'])} ({s['mean_caption_tokens']:.1f} valid tokens; "
-                     f"{_size(s['padded_caption_bytes'])} padded)")
+                     f"{_size(s['padded_caption_bytes'])} padded)"
+                     + (f"; first-frame conditions {_size(s['condition_bytes'] / samples)}" if s["conditions"] else ""))
         if s["unreadable"]:
             lines.append(f"skipped {s['unreadable']} unreadable video(s), e.g. {'; '.join(s['unreadable_examples'])}")
         lines.append(f"{'resolution':<11}{'frames':>7}{'ratio':>7}{'HxW':>11}{'latent':>16}{'samples':>9}{'bytes':>11}")

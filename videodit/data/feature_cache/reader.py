@@ -1,5 +1,6 @@
 """Reading a feature cache: samples by ``(index, epoch, bucket)`` key, as ``VideoDataset`` has
-them, but from stored latents and caption embeddings.
+them, but from stored latents and caption embeddings (and the first-frame conditions a model
+asks for, where the cache holds them: conditions.py).
 
 The index table is read once (numbers only: a few dozen bytes per sample); the tensors stay in
 the shards, opened lazily and memory-mapped by safetensors, a few at a time per process (also
@@ -19,6 +20,7 @@ import torch
 from safetensors import safe_open
 from torch.utils.data import Dataset
 
+from videodit.data.feature_cache.conditions import FIRST_FRAME, IMAGE
 from videodit.data.feature_cache.format import (FAILED, INDEX, SHARDS, read_manifest, regular, shard_name,
                                                 tensor_key)
 from videodit.data.feature_cache.verify import ShardCheck, ShardDamaged, damaged_message, records_of, top_folder
@@ -82,6 +84,11 @@ class FeatureCache:
         handle = self._open(int(self.shard[row]))
         clip, view = int(self.clip[row]), int(self.view[row])
         return handle.get_tensor(tensor_key(clip, view, "latent")), handle.get_tensor(tensor_key(clip, view, "text"))
+
+    def condition(self, row: int, name: str) -> torch.Tensor:
+        """The stored first-frame condition ``name`` (conditions.py) of one index row."""
+        handle = self._open(int(self.shard[row]))
+        return handle.get_tensor(tensor_key(int(self.clip[row]), int(self.view[row]), name))
 
     def _open(self, shard: int):
         handle = self._handles.pop(shard, None)
@@ -229,6 +236,9 @@ class CachedBatch:
     pixels: tuple[int, int, int]   # (frames, height, width) the latents were encoded from
     failed: list[tuple[str, str]] = field(default_factory=list)   # always empty: the build skipped those
     noise_seed: int = 0
+    # The given first frame of a model that takes one (conditions.py), None where not asked for:
+    first_frame: torch.Tensor | None = None   # [B, C, T', H', W'] float32: latents of the clip with only that frame
+    image: torch.Tensor | None = None         # [B, tokens, dim] float32: its image features
 
     def __len__(self) -> int:
         return self.latents.shape[0]
@@ -238,16 +248,25 @@ class CachedBatch:
         return (self.latents.to(device, non_blocking=True), self.y.to(device, non_blocking=True),
                 self.y_mask.to(device, non_blocking=True))
 
+    def conditions(self, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(the given first frame's latents, its image features) on ``device``, each None where absent."""
+        return tuple(None if t is None else t.to(device, non_blocking=True) for t in (self.first_frame, self.image))
+
     def pin_memory(self) -> "CachedBatch":
+        def pin(t):
+            return None if t is None else t.pin_memory()
         return replace(self, latents=self.latents.pin_memory(), y=self.y.pin_memory(),
-                       y_mask=self.y_mask.pin_memory(), fps=self.fps.pin_memory())
+                       y_mask=self.y_mask.pin_memory(), fps=self.fps.pin_memory(), first_frame=pin(self.first_frame),
+                       image=pin(self.image))
 
 
 class CachedDataset(Dataset):
-    """Cached samples by ``(index, epoch, bucket)`` key (``index``: the source clip)."""
+    """Cached samples by ``(index, epoch, bucket)`` key (``index``: the source clip), with the
+    first-frame ``conditions`` (names, conditions.py) the model takes; others the cache holds
+    are not read."""
 
-    def __init__(self, cache: FeatureCache):
-        self.cache = cache
+    def __init__(self, cache: FeatureCache, conditions: tuple[str, ...] = ()):
+        self.cache, self.conditions = cache, tuple(conditions)
 
     def __len__(self) -> int:
         return self.cache.num_clips
@@ -257,23 +276,29 @@ class CachedDataset(Dataset):
         row = self.cache.row(index, epoch % self.cache.views)
         latent, tokens = self.cache.tensors(row)
         return {"latent": latent, "tokens": tokens, "offset": int(self.cache.text_offset[row]),
-                "fps": float(self.cache.fps[row]), "pixels": self.cache.shapes[int(self.cache.bucket[row])]}
+                "fps": float(self.cache.fps[row]), "pixels": self.cache.shapes[int(self.cache.bucket[row])],
+                **{name: self.cache.condition(row, name) for name in self.conditions}}
 
     def __getitems__(self, keys: list[tuple[int, int, int]]) -> list[dict]:
         return [self[key] for key in keys]
 
 
 def collate_cached(samples: list[dict], max_length: int, dim: int) -> CachedBatch:
-    """Stack latents (as float32) and pad captions back to ``max_length`` tokens with zeros."""
+    """Stack latents (and first-frame conditions, where the samples have them) as float32 and
+    pad captions back to ``max_length`` tokens with zeros."""
     y = torch.zeros(len(samples), max_length, dim)
     mask = torch.zeros(len(samples), max_length, dtype=torch.bool)
     for i, s in enumerate(samples):
         n, offset = s["tokens"].shape[0], s["offset"]
         y[i, offset : offset + n] = s["tokens"].float()
         mask[i, offset : offset + n] = True
-    return CachedBatch(latents=torch.stack([s["latent"] for s in samples]).float(), y=y, y_mask=mask,
+
+    def stacked(name: str) -> torch.Tensor | None:
+        return torch.stack([s[name] for s in samples]).float() if name in samples[0] else None
+
+    return CachedBatch(latents=stacked("latent"), y=y, y_mask=mask,
                        fps=torch.tensor([s["fps"] for s in samples], dtype=torch.float32),
-                       pixels=samples[0]["pixels"])
+                       pixels=samples[0]["pixels"], first_frame=stacked(FIRST_FRAME), image=stacked(IMAGE))
 
 
 class Collate:

@@ -2,7 +2,9 @@
 ``data/loader.py``'s ``build_training_data`` and ``build_validation_data``.
 
 The bucket table (with the config's batch sizes, which may differ from the build's) must have
-the shapes the cache was built with; ``check_compatible`` refuses anything else on start.
+the shapes the cache was built with; ``check_compatible`` refuses anything else on start. What
+the model takes beside latents and captions (an i2v model's given first frame) is known once the
+model is built: the trainer then calls ``CachedTrainData.require_conditions``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch.utils.data import DataLoader
 from videodit.config import Config, DataConfig
 from videodit.data.buckets.assign import Bucket, build_buckets
 from videodit.data.buckets.config import resolve_bucket_config
+from videodit.data.feature_cache.conditions import require, wanted
 from videodit.data.feature_cache.format import MANIFEST, VALIDATION, check_compatible
 from videodit.data.feature_cache.reader import (CachedDataset, CachedTextEncoder, CachedVAE, Collate,
                                                 FeatureCache)
@@ -71,6 +74,17 @@ class CachedTrainData:
     vae: CachedVAE
     text: CachedTextEncoder
 
+    def require_conditions(self, first_frame: bool, image: bool) -> tuple[str, ...]:
+        """Refuse, in one line, a cache without the given first frame's latents (``first_frame``)
+        or image features (``image``) the model takes; the loader then reads those, and nothing
+        else the cache holds (an i2v cache trains a t2v model too). Returns the conditions read,
+        for the validation set's loader."""
+        needed = wanted(first_frame, image)
+        cache = self.dataset.cache
+        require(cache.manifest, needed, str(cache.folder))
+        self.dataset.conditions = needed
+        return needed
+
 
 def build_cached_training_data(cfg: Config, *, batch_size: int, seed: int, dp_rank: int = 0, dp_size: int = 1,
                                pin_memory: bool = False) -> CachedTrainData:
@@ -108,9 +122,11 @@ class _ViewAssign:
         return self.memo[view]
 
 
-def build_cached_validation_data(cfg: Config, csv: str, *, batch_size: int, max_samples: int) -> tuple[DataLoader, int]:
+def build_cached_validation_data(cfg: Config, csv: str, *, batch_size: int, max_samples: int,
+                                 needed: tuple[str, ...] = ()) -> tuple[DataLoader, int]:
     """The fixed validation set from the cache's ``validation/`` part: the same samples, in the
-    same batches, as ``build_validation_data`` takes from ``csv``."""
+    same batches, as ``build_validation_data`` takes from ``csv``; with the first-frame
+    conditions ``needed`` (conditions.py) the model takes."""
     folder = Path(cfg.data.cache) / VALIDATION
     fix = f"run `videodit cache build CONFIG --out {cfg.data.cache}` with validation.csv={csv} (it keeps the " \
           "finished training shards), or set validation.csv=null"
@@ -122,6 +138,7 @@ def build_cached_validation_data(cfg: Config, csv: str, *, batch_size: int, max_
         raise UserError(f"data.cache={cfg.data.cache} holds the validation set of {cache.manifest['source']['csv']}, "
                         f"not of validation.csv={csv}: {fix}")
     check_compatible(cache.manifest, cfg, config_buckets(cfg.data, batch_size), cfg.data.cache)
+    require(cache.manifest, needed, str(folder))
     order = np.argsort(cache.clip[cache.view == 0], kind="stable")
     rows = np.flatnonzero(cache.view == 0)[order][:max_samples]
     by_bucket = defaultdict(list)
@@ -129,5 +146,5 @@ def build_cached_validation_data(cfg: Config, csv: str, *, batch_size: int, max_
         by_bucket[int(cache.bucket[row])].append((int(cache.clip[row]), 0, int(cache.bucket[row])))
     batches = [group[i : i + batch_size] for group in by_bucket.values() for i in range(0, len(group), batch_size)]
     text = CachedTextEncoder(cache.manifest)
-    return DataLoader(CachedDataset(cache), batch_sampler=batches, collate_fn=Collate(text.max_length, text.dim),
-                      num_workers=0), len(rows)
+    return DataLoader(CachedDataset(cache, needed), batch_sampler=batches,
+                      collate_fn=Collate(text.max_length, text.dim), num_workers=0), len(rows)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from videodit.data.feature_cache.conditions import tensor_shapes
 from videodit.data.feature_cache.format import SHARDS, shard_name, tensor_key
 from videodit.errors import UserError
 from videodit.user_files import NotRegularFile, check_regular_file, open_user_file
@@ -83,13 +84,17 @@ def _header(path: Path) -> tuple[dict, int]:
 
 
 def expected_tensors(manifest: dict, clip, view, bucket, text_len) -> dict[str, tuple[list[int], str]]:
-    """Tensor name -> (shape, safetensors dtype) of a shard's samples, as the index says."""
+    """Tensor name -> (shape, safetensors dtype) of a shard's samples, as the index and the
+    manifest say (the first-frame conditions a cache holds included)."""
     dtype, dim = _ST_DTYPE[manifest["dtype"]], int(manifest["text_geometry"]["dim"])
     shapes = manifest["latent"]["shapes"]
+    conditions = {str(b): tensor_shapes(manifest, shapes[str(b)]) for b in set(np.asarray(bucket).tolist())}
     out = {}
     for c, v, b, n in zip(*(np.asarray(a).tolist() for a in (clip, view, bucket, text_len))):
         out[tensor_key(c, v, "latent")] = (list(shapes[str(b)]), dtype)
         out[tensor_key(c, v, "text")] = ([n, dim], dtype)
+        for condition, shape in conditions[str(b)].items():
+            out[tensor_key(c, v, condition)] = (shape, dtype)
     return out
 
 

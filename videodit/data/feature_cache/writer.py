@@ -105,13 +105,16 @@ class ShardWriter:
         self.rows: list[dict] = []
 
     def add(self, clip: int, view: int, bucket: int, fps: float, latent: torch.Tensor, text: torch.Tensor,
-            mask: torch.Tensor) -> None:
-        """One sample: its latent [C, T', H', W'] and caption embedding [L, D] with its mask [L]."""
+            mask: torch.Tensor, conditions: dict[str, torch.Tensor] | None = None) -> None:
+        """One sample: its latent [C, T', H', W'] and caption embedding [L, D] with its mask [L];
+        ``conditions``: its first-frame conditions by name (conditions.py), for a cache that holds them."""
         offset, length = valid_run(mask.cpu())
         latent = latent.detach().to("cpu", self.dtype).contiguous()
         tokens = text.detach()[offset : offset + length].to("cpu", self.dtype).contiguous()
         self.tensors[tensor_key(clip, view, "latent")] = latent
         self.tensors[tensor_key(clip, view, "text")] = tokens
+        for name, tensor in (conditions or {}).items():
+            self.tensors[tensor_key(clip, view, name)] = tensor.detach().to("cpu", self.dtype).contiguous()
         self.rows.append(dict(clip=clip, view=view, bucket=bucket, shard=self.shard, ok=True, fps=fps,
                               text_offset=offset, text_len=length,
                               latent_bytes=latent.numel() * latent.element_size(),
