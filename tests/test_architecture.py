@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "videodit"
 
 # Bottom to top; a unit imports only from its own layer's named peers or from layers below.
 LAYERS = [
-    {"errors", "user_files"},
+    {"errors", "user_files", "quiet"},
     {"config"},
     {"models", "diffusion", "data"},
     {"toy", "components"},

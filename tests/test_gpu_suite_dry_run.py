@@ -43,12 +43,18 @@ def test_dry_run_measures_every_section_and_appends_one_section(tmp_path):
     assert [row.split(" | ")[0][2:] for row in tuned] == ["32x48 x 17", "48x64 x 17"]
     assert all(int(row.split(" | ")[2]) >= 1 for row in tuned)                  # the search found a batch
     assert len(table_rows(text, "### Memory levers")) == 5                      # offload is CUDA-only
+    fp8 = table_rows(text, "### fp8 compute")                                   # fp32/fp8 x compile off/on
+    assert [row.split(" | ")[0][2:] + " " + row.split(" | ")[1] for row in fp8] == ["fp32 off", "fp8 off",
+                                                                                  "fp32 on", "fp8 on"]
+    swap = table_rows(text, "### Block swapping")                               # 0, 1, 2 of 2 blocks swapped
+    assert [row.split(" | ")[1] for row in swap] == ["0 of 2", "1 of 2", "2 of 2"]
     layouts = [row.split(" | ")[0][2:] for row in table_rows(text, "### Parallel layouts")]
     assert layouts == ["fsdp=2", "sp=2", "tp=2", "pp=2 x fsdp=1"]
     # On CPU only what needs a GPU is missing, each with its reason; nothing failed.
     missing = table_rows(text, "### Not measured")
     assert {row.split(" | ")[0][2:] for row in missing} == {"MFU", "TF32 matmuls", "lever offload",
-                                                           "lever offload + fp8"}, missing
+                                                           "lever offload + fp8",
+                                                           "lever checkpoint full + offload"}, missing
     assert "failed" not in text
 
 

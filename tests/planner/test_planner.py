@@ -66,6 +66,18 @@ def test_planner_matches_measurement_on_one_process(name, toy_dir, tmp_path):
         + predicted["optimizer"]
 
 
+def test_planner_counts_8bit_adamw_as_measured(toy_dir, tmp_path):
+    """train.optimizer=adamw8bit: two 8-bit moments and their block scales per parameter; the
+    planner counts every trained parameter so (the S preset's tensors are nearly all large
+    enough to be quantized; small ones keep fp32 moments, which the planner leaves out)."""
+    cfg = load_config("tiny", preset_overrides(toy_dir, "S", **{"train.optimizer": "adamw8bit"}))
+    measured = measure_trainer(Trainer(cfg, tmp_path / "run"), synthetic_batch(2, 4, 16, 16)).as_dict()
+    predicted = planner_from_config(cfg, gpu_bytes=1).estimate(2, 4, 16, 16).as_dict()
+    assert_close(measured, predicted, "adamw8bit")
+    assert abs(predicted["optimizer"] / measured["optimizer"] - 1) <= 0.05
+    assert planner_from_config(cfg, gpu_bytes=1).levers.describe() == ["train.optimizer=adamw8bit"]
+
+
 def test_planner_holds_both_experts_and_trains_one(toy_dir, tmp_path):
     """model.expert=both: both experts' weights are held, one expert's gradients and activations
     per step; the other's optimizer state appears at its first step (the plan is the steady state)."""

@@ -251,6 +251,9 @@ class TrainConfig:
     grad_accum: int = opt(1, "micro-batches per optimizer step", min=1)
     lr: float = opt(3e-4, "peak AdamW learning rate", min=0.0)
     weight_decay: float = opt(0.0, "AdamW weight decay", min=0.0)
+    optimizer: str = opt("adamw", "adamw (fp32 moments: 8 bytes per trained parameter) or adamw8bit (torchao's 8-bit "
+                         "moments with a scale per 256 values: about 2 bytes; pip install videodit[lowmem])",
+                         choices=("adamw", "adamw8bit"))
     betas: list[float] = opt([0.9, 0.999], "AdamW betas", length=2, min=0.0, max=1.0)
     warmup_steps: int = opt(100, "linear LR warm-up steps", min=0)
     grad_clip: float = opt(1.0, "max global gradient norm (0 disables clipping)", min=0.0)
@@ -280,6 +283,10 @@ class TrainConfig:
     compile_backend: str = opt("inductor", "torch.compile backend: inductor (generated kernels), aot_eager "
                                "(tracing only, for debugging; no speed-up)",
                                choices=("inductor", "aot_eager", "eager"))
+    fp8: bool = opt(False, "fp8 compute: the linear layers of every block (attention, MLP) run their matmuls in "
+                    "float8 with per-tensor scales (torchao, pip install videodit[lowmem]); CUDA compute capability "
+                    ">= 8.9 (emulated on CPU); with FSDP2 the weights are all-gathered in float8; fastest with "
+                    "train.compile; not with LoRA or parallel.tp")
 
 
 @dataclass
@@ -291,11 +298,15 @@ class MemoryConfig:
     checkpoint_every: int = opt(1, "checkpoint every n-th block (1 = every block)", min=1)
     checkpoint_fraction: float = opt(1.0, "checkpoint this fraction of the blocks, the first ones (after "
                                      "checkpoint_every)", min=0.0, max=1.0)
-    offload: bool = opt(False, "copy tensors saved for backward in blocks that are not checkpointed to pinned "
-                        "host memory on a side stream, and back in backward (CUDA; a no-op on CPU)")
+    offload: bool = opt(False, "copy tensors saved for backward in blocks that are not checkpointed, and the token "
+                        "input each checkpointed block keeps for its recompute, to pinned host memory on a side "
+                        "stream, and back in backward (CUDA; a no-op on CPU)")
     compression: str = opt("none", "store floating-point tensors saved for backward in blocks that are not "
                            "checkpointed as bf16 or fp8 (e4m3, per-tensor scale): lossy, less memory",
                            choices=("none", "bf16", "fp8"))
+    swap_blocks: int = opt(0, "keep the frozen weights of the first K repeated blocks (per expert) in pinned host "
+                           "memory and copy each to the GPU only for its forward and backward, on a side stream "
+                           "(0 = off; LoRA only; not with FSDP sharding, tp or pp)", min=0)
 
     def checkpointed_blocks(self, num_blocks: int) -> list[int]:
         """Indices of the checkpointed blocks: every ``checkpoint_every``-th, then the first
@@ -326,6 +337,10 @@ class LoraConfig:
                                        "cross_attn.k, mlp.fc1, ...; Wan: self_attn.q, ffn.0, ... or diffusers' "
                                        "attn1.to_q, ffn.net.0.proj, ...) or a full module path (t_block.1) "
                                        "(default: the family's self-attention and MLP)", nonempty=True)
+    base_dtype: str = opt("auto", "how the frozen base is held: auto (bf16 when training in bf16, else as loaded), "
+                          "bf16, or fp8 (block Linear weights as float8 e4m3 with a power-of-two scale per output "
+                          "row, upcast per layer at compute time; norms, biases, embedders and head as auto)",
+                          choices=("auto", "bf16", "fp8"))
 
 
 @dataclass

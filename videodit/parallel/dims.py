@@ -120,6 +120,30 @@ class ParallelDims:
                             "compile tensor-parallel (DTensor) blocks correctly; turn one of them off (parallel.sp "
                             "splits activations too and compiles)")
 
+    def check_block_swap(self, swap_blocks: int, *, blocks: int, frozen_base: bool) -> None:
+        """Raise a UserError for a ``memory.swap_blocks`` this run cannot use (``blocks``: the
+        model's repeated blocks, per expert; ``frozen_base``: a LoRA run, whose base never trains).
+        Swapping moves whole frozen blocks between one process's host and GPU; sharded layouts
+        already split them."""
+        if not swap_blocks:
+            return
+        if swap_blocks > blocks:
+            raise UserError(f"memory.swap_blocks={swap_blocks} exceeds the model's {blocks} blocks; valid: 0 (off) "
+                            f"to {blocks}")
+        if not frozen_base:
+            raise UserError(f"memory.swap_blocks={swap_blocks} swaps frozen weights only and this run trains every "
+                            "weight; use LoRA (lora.rank > 0), or shard a full fine-tune with parallel.dp_shard and "
+                            "parallel.cpu_offload=true")
+        if self.tp > 1 or self.pp > 1:
+            name, size = ("tp", self.tp) if self.tp > 1 else ("pp", self.pp)
+            raise UserError(f"memory.swap_blocks={swap_blocks} with parallel.{name}={size} is not supported: each "
+                            f"rank then holds only part of the blocks already; use one of them")
+        if self.data_parallel in ("fsdp", "hsdp"):
+            raise UserError(f"memory.swap_blocks={swap_blocks} with FSDP sharding ({self.describe()}) is redundant: "
+                            "FSDP already holds a block's whole weights only while it runs; use FSDP alone "
+                            "(parallel.cpu_offload=true keeps the shards in host memory), or parallel.dp_shard=1 "
+                            "to swap blocks")
+
     # ------------------------------------------------------------------ derived sizes
 
     @property

@@ -18,6 +18,7 @@ from videodit.config import Config
 from videodit.errors import UserError
 from videodit.models.families import get_spec
 from videodit.parallel.dims import ParallelDims
+from videodit.parallel.float8 import check_float8
 
 
 @dataclass
@@ -154,6 +155,7 @@ def init_distributed(cfg: Config) -> DistContext:
     dims.check_model(num_heads=m.num_heads, hidden_size=m.hidden_size, depth=m.depth, spec=spec,
                      sp_ring=cfg.parallel.sp_ring)
     per_rank, microbatches = dims.check_pipeline(cfg.parallel, blocks=spec.num_blocks(m.depth))
+    dims.check_block_swap(cfg.memory.swap_blocks, blocks=spec.num_blocks(m.depth), frozen_base=cfg.lora.rank > 0)
     if m.image_dim is not None and dims.pp > 1:
         raise UserError(f"parallel.pp={dims.pp}: the pipeline does not carry Wan 2.1 I2V's image features between "
                         "stages; split the model with parallel.tp, parallel.sp or parallel.dp_shard (FSDP2) instead")
@@ -163,6 +165,8 @@ def init_distributed(cfg: Config) -> DistContext:
                         "with model.expert=high|low")
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(cfg.train.device, local_rank)
+    if cfg.train.fp8:
+        check_float8(device, tp=dims.tp, lora_rank=cfg.lora.rank)
     if world == 1:
         return DistContext(dims, rank, local_rank, device)
     if not dist.is_initialized():   # a caller (a test harness) may have joined already

@@ -23,12 +23,16 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 
 from videodit.config import LoraConfig
 from videodit.models.lora import ADAPTER, add_adapters, is_lora_layer, scale_numerator
+from videodit.parallel.fp8_base import store_base_in_fp8
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig, base_dtype: torch.dtype | None = None) -> nn.Module:
     """Add ``cfg``'s adapters to ``model`` in place, freeze the rest and hold it in
-    ``base_dtype`` (None: as it is). Returns ``model``."""
+    ``base_dtype`` (None: as it is); ``lora.base_dtype: fp8`` holds the block Linear weights
+    in fp8 instead (``parallel/fp8_base.py``), their scales in ``base_dtype``. Returns ``model``."""
     add_adapters(model, cfg)
+    if cfg.base_dtype == "fp8":   # quantised from the weights as loaded, before any cast
+        store_base_in_fp8(model, base_dtype)
     if base_dtype is not None:
         with torch.no_grad():
             for param in model.parameters():
@@ -69,7 +73,8 @@ def lora_summary(model: nn.Module, cfg: LoraConfig) -> str:
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = [p for p in model.parameters() if not p.requires_grad]
     layers = sum(1 for module in model.modules() if is_lora_layer(module))
-    dtypes = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in frozen}))
+    # fp8 storage (parallel/fp8_base.py) holds e4m3 bits in uint8 parameters
+    dtypes = "/".join(sorted({str(p.dtype).removeprefix("torch.").replace("uint8", "float8_e4m3fn") for p in frozen}))
     share = 100 * trained / max(trained + sum(p.numel() for p in frozen), 1)
     return (f"LoRA: rank {cfg.rank}, alpha {scale_numerator(cfg):g}, on {layers} layers: {trained:,} adapter "
             f"parameters train ({share:.2f}% of the model); the base is frozen in {dtypes}")

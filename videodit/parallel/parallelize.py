@@ -1,6 +1,8 @@
-"""Apply parallelism to a DiT from outside, in order: pipeline stages, tensor parallel,
+"""Apply parallelism to a DiT from outside, in order: pipeline stages, fp8 compute of the block
+linears (``train.fp8``, ``float8.py``: torchtitan converts before it parallelises), tensor parallel,
 sequence parallel, activation checkpointing, regional compilation (``train.compile``), the
-offload and compression levers, then data parallel (DDP, or FSDP2 per block and at each root).
+offload and compression levers, block swapping (``memory.swap_blocks``), then data parallel (DDP,
+or FSDP2 per block and at each root).
 
 ``parallelize`` returns a :class:`ParallelModel`. Its ``local_model`` holds this rank's
 parameters under their names in the whole model (FSDP2 and TP shard in place; pipeline
@@ -24,8 +26,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from videodit.config import MemoryConfig, ParallelConfig
 from videodit.parallel.activation_checkpoint import apply_activation_checkpointing
+from videodit.parallel.block_swap import apply_block_swap, swapped_names
+from videodit.parallel.checkpoint_offload import apply_checkpoint_input_offload
 from videodit.parallel.compile import CompileOptions, CompileStats, apply_compile
 from videodit.parallel.distributed import DistContext
+from videodit.parallel.float8 import Float8Options, apply_float8
 from videodit.parallel.full_attention import apply_full_attention_sp
 from videodit.models.flops import block_costs
 from videodit.models.families import spec_of
@@ -136,7 +141,7 @@ def parallelize(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *, memo
                 loss_fn: Callable, autocast_dtype: torch.dtype | None = None,
                 bucket_batch_sizes: dict[str, int] | None = None,
                 base_grid: tuple[int, int, int] | None = None,
-                compile: CompileOptions | None = None) -> ParallelModel:
+                compile: CompileOptions | None = None, fp8: Float8Options | None = None) -> ParallelModel:
     """Apply ``cfg``'s layout and ``memory``'s levers to ``model``.
 
     ``loss_fn(output, x_t, t, velocity_target)`` is the training loss (the pipeline's last
@@ -144,11 +149,15 @@ def parallelize(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *, memo
     (``bucket_batch_sizes``, name -> size) must cut into the micro-batches, and
     ``pp_split=cost`` balances the stages by FLOPs at ``base_grid`` = (latent frames,
     positions per frame, caption tokens) after patching: the data's base bucket. ``compile``:
-    compile every block (``parallel/compile.py``); refused combinations fail here, first."""
+    compile every block (``parallel/compile.py``); refused combinations fail here, first. ``fp8``:
+    float8 matmuls in the blocks' linear layers (``parallel/float8.py``)."""
     dims = ctx.dims
     shapes = len(bucket_batch_sizes or {}) or 1
     if compile is not None:
         dims.check_compile()
+    if memory.swap_blocks:   # as init_distributed checks it from the config, for callers without one
+        dims.check_block_swap(memory.swap_blocks, blocks=len(model_parts(model)[0][1].blocks),
+                              frozen_base=any(not p.requires_grad for p in model.parameters()))
     pipeline, stages = None, [model]
     if dims.pp > 1:
         check_microbatches(bucket_batch_sizes or {}, ctx.pp_microbatches)
@@ -163,6 +172,8 @@ def parallelize(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *, memo
     stacks = model_parts(model)
     partial, stats = [], None
     for prefix, part in stacks:   # each expert of a two-expert model gets every layer on its own
+        if fp8 is not None:   # before TP, compile and FSDP2, which see the float8 layers
+            apply_float8(part, fp8)
         if dims.tp > 1:
             partial += [prefix + name for name in apply_tensor_parallel(part, ctx.meshes["tp"])]
         if dims.sp > 1:
@@ -171,11 +182,17 @@ def parallelize(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *, memo
         if compile is not None:   # torchtitan's place: after TP, SP and checkpointing, before FSDP
             stats = apply_compile(part, compile, shapes=shapes * len(stacks), stats=stats)
         apply_saved_tensor_levers(part, memory, chosen)
+    swapped: list[str] = []   # the weights block swapping keeps on the host, by name
+    if memory.swap_blocks:   # last on the blocks, outside every other wrapper
+        for _, part in stacks:
+            swapped += swapped_names(model, apply_block_swap(part, memory.swap_blocks, ctx.device))
     module = model
     if dims.data_parallel in ("fsdp", "hsdp"):
         apply_fsdp([part for _, part in stacks], stages, ctx, cfg, param_dtype=autocast_dtype)
     elif dims.data_parallel == "ddp":
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        # Swapped weights are frozen and identical on every rank; broadcasting them would read them whole.
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, swapped)
         # A two-expert model trains one expert per step: the other's parameters get no gradient.
         module = DistributedDataParallel(model, process_group=ctx.group("dp_sp"), device_ids=device_ids,
                                          find_unused_parameters=len(stacks) > 1)
@@ -204,7 +221,10 @@ def apply_memory_levers(model: nn.Module, cfg: MemoryConfig) -> list[int]:
 
 
 def apply_saved_tensor_levers(model: nn.Module, cfg: MemoryConfig, checkpointed: list[int]) -> None:
-    """Offload or compress what the blocks that are not checkpointed save for backward."""
+    """Offload or compress what the blocks that are not checkpointed save for backward; with
+    offload, also the token inputs the checkpointed blocks keep (``checkpoint_offload.py``)."""
+    if cfg.offload and checkpointed:
+        apply_checkpoint_input_offload(model, checkpointed)
     if cfg.offload or cfg.compression != "none":
         for i, block in enumerate(model.blocks):
             if i not in checkpointed:

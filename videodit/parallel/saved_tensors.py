@@ -12,7 +12,8 @@ not checkpointed:
 * **offload** copies saved CUDA tensors into pinned host memory on a side stream during
   forward and back to the GPU in backward. It is exact, but it moves every saved byte over
   PCIe twice; it is free only while those copies hide behind compute. On CPU the tensors
-  are already in host memory, so it does nothing.
+  are already in host memory, so it does nothing. (A checkpointed block's token input, all it
+  keeps, is offloaded by ``checkpoint_offload.py``.)
 
 Compression runs before offload, so fewer bytes cross the bus. Parameters (and views of
 them), autocast's cached low-precision copies of parameters, small tensors and integer or

@@ -28,6 +28,9 @@ from torch import nn
 from videodit.config import Config, MemoryConfig
 from videodit.models.families import spec_of
 from videodit.models.spec import ActivationDims, Saved
+from videodit.models.lowmem import CHECKPOINT_INPUTS_IN_FLIGHT
+from videodit.planner.levers import (LeverCounts, Levers, float8_operand_bytes, optimizer_bytes_per_param,
+                                     swapped_resident_saving)
 
 FP32 = 4
 
@@ -235,6 +238,10 @@ def activation_bytes(geometry, shape: Shape, parallel: Parallel, precision: Prec
         # Offloaded blocks keep nothing on the GPU once their copies finish; count one in flight.
         plain = [i for i, mode in enumerate(modes) if mode == "none"]
         offloaded = per_block["none"] * max(0, len(plain) - 1)
+        # A checkpointed block's token input (what full checkpointing keeps) goes to the host too,
+        # back one block ahead of its recompute: two on the GPU (parallel/checkpoint_offload.py).
+        checkpointed_here = len(modes) - len(plain)
+        offloaded += per_block["full"] * max(0, checkpointed_here - CHECKPOINT_INPUTS_IN_FLIGHT)
         kept_blocks -= offloaded
     # Outside the blocks, on the whole token grid even under SP (the grid is split before the
     # first block and gathered after the last): the final layer's norm and modulation (2 D per
@@ -269,23 +276,38 @@ def local_params(counts: ModelCounts, parallel: Parallel) -> float:
 def estimate(geometry, shape: Shape, *, parallel: Parallel = Parallel(),
              precision: Precision = Precision(), memory: MemoryConfig = MemoryConfig(),
              ema: bool = True, encoder_bytes: int = 0, counts: ModelCounts | None = None,
-             lora: Lora | None = None, experts: int = 1) -> Estimate:
+             lora: Lora | None = None, experts: int = 1, levers: Levers = Levers(),
+             lever_counts: LeverCounts | None = None) -> Estimate:
     """Bytes per GPU of one training step. ``experts``: whole models held, one of them trained
     per step (2 for both experts of Wan 2.2 A14B, ``model.expert=both``): each holds its weights,
-    optimizer state and EMA; gradients and activations are the step's expert's alone."""
+    optimizer state and EMA; gradients and activations are the step's expert's alone.
+    ``levers``: fp8 base, 8-bit moments, block swapping, fp8 compute (``planner/levers.py``),
+    counted on ``lever_counts`` (of the model on the meta device)."""
     counts = counts or count_model(geometry)
     n_local = local_params(counts, parallel)
     on_gpu = 0.0 if parallel.cpu_offload else 1.0
-    # LoRA: the base in the compute dtype without gradients or optimizer state; the adapters in
-    # fp32 with both (not split by TP: an upper bound, they are ~1-2% of the model).
+    # LoRA: the base in the compute dtype (fp8 block weights with lora.base_dtype=fp8) without
+    # gradients or optimizer state; the adapters in fp32 with both (not split by TP: an upper
+    # bound, they are ~1-2% of the model).
     adapters = 0.0 if lora is None else (lora.block_params / parallel.pp + lora.other_params) / parallel.shard
     trained = n_local if lora is None else adapters
-    params = int((trained * FP32 + (0 if lora is None else n_local * precision.low_bytes)) * on_gpu) * experts
+    split = parallel.pp * parallel.tp * parallel.shard   # how the block weights are divided
+    base = 0.0 if lora is None else n_local * precision.low_bytes
+    block_base = counts.block_params / counts.depth_blocks * precision.low_bytes   # one block's frozen weights
+    if lora is not None and levers.fp8_base and lever_counts is not None:
+        fp8 = lever_counts.fp8_base_bytes(precision.bf16)
+        base += (fp8 - lever_counts.fp8_base_params * precision.low_bytes) / split
+        block_base += (fp8 - lever_counts.fp8_base_params * precision.low_bytes) / counts.depth_blocks
+    if lora is not None:   # block swapping moves frozen weights only (parallel/block_swap.py)
+        base -= swapped_resident_saving(levers, math.ceil(counts.depth_blocks / parallel.pp), block_base)
+    params = int((trained * FP32 + base) * on_gpu) * experts
     grads = int(trained * FP32 * on_gpu)
-    optimizer = 2 * grads * experts
+    optimizer = int(trained * optimizer_bytes_per_param(levers.optimizer) * on_gpu) * experts
     ema_bytes = grads * experts if ema else 0
 
     activations, detail = activation_bytes(geometry, shape, parallel, precision, memory, counts.depth_blocks, lora)
+    converted = lever_counts.fp8_compute_params / counts.depth_blocks / parallel.tp \
+        if levers.fp8_compute and lever_counts is not None else 0.0   # one block's float8 weights
 
     # Temporaries of backward: the activation gradients flowing through one block (taken as
     # half a plain block; on CPU activations plus this came out 1.02-1.3x the measured peak),
@@ -296,16 +318,21 @@ def estimate(geometry, shape: Shape, *, parallel: Parallel = Parallel(),
         temporaries += detail["per_block_plain"] if memory.checkpointing == "full" else 0.5 * detail["per_block_plain"]
     if parallel.shard > 1 or parallel.cpu_offload:
         # FSDP gathers the current and the prefetched block, and their unsharded gradients.
-        if lora is None:
-            temporaries += 2 * block_weights * (precision.low_bytes + FP32)
+        if lora is None:   # train.fp8 gathers its converted weights in 1 byte (float8 all-gather)
+            temporaries += 2 * ((block_weights - converted) * precision.low_bytes + converted
+                                + block_weights * FP32)
         else:
             temporaries += 2 * (block_weights * precision.low_bytes
                                 + lora.block_params / counts.depth_blocks * (precision.low_bytes + FP32))
     elif precision.bf16:
         # autocast keeps a bf16 copy of every fp32 weight it used until backward is done (a
-        # LoRA base is bf16 already: only the adapters are copied).
-        temporaries += trained * 2
-    detail.update(num_params=counts.num_params * experts, params_per_gpu=int(n_local) * experts)
+        # LoRA base is bf16 already: only the adapters are copied; train.fp8 casts its converted
+        # weights straight to float8).
+        temporaries += (trained - converted * counts.depth_blocks / parallel.pp) * 2
+    if lever_counts is not None:
+        temporaries += float8_operand_bytes(levers, lever_counts, detail["tokens_per_rank"])
+    detail.update(num_params=counts.num_params * experts, params_per_gpu=int(n_local) * experts,
+                  levers=levers.describe())
     if lora is not None:
         detail.update(adapter_params=lora.params * experts, adapter_params_per_gpu=int(adapters) * experts)
     return Estimate(params, grads, optimizer, ema_bytes, activations, int(temporaries), encoder_bytes, detail)

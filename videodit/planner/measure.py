@@ -68,15 +68,25 @@ class StepMemory:
 
 
 def tensor_bytes(tensors) -> int:
-    """Bytes of distinct storages among ``tensors`` (the local shard of a DTensor)."""
+    """Bytes of distinct storages among ``tensors`` (the local shard of a DTensor; the inner
+    tensors of a wrapper subclass such as torchao's 8-bit optimizer states)."""
     seen: dict[int, int] = {}
+    for t in _plain(tensors):
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _plain(tensors):
     for t in tensors:
         if t is None:
             continue
         t = t.to_local() if hasattr(t, "to_local") else t
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+        if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
+            names, _ = t.__tensor_flatten__()
+            yield from _plain(getattr(t, name) for name in names)
+        else:
+            yield t
 
 
 def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -92,7 +102,9 @@ def measure_step(model: torch.nn.Module, forward_loss: Callable[[], torch.Tensor
     params = list(model.parameters())
     for p in params:
         p.grad = None
-    with LiveMemory() as tracker:
+    # Compiled code does not run under a dispatch mode (torchao's 8-bit AdamW compiles its step):
+    # eager gives the same tensors.
+    with torch.compiler.set_stance("force_eager"), LiveMemory() as tracker:
         loss = forward_loss()
         # Reference cycles that forward left behind are garbage, not activations; whether
         # Python's collector has run yet is chance.

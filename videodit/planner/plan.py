@@ -20,6 +20,7 @@ from videodit.config import Config, MemoryConfig
 from videodit.data.buckets.assign import build_buckets
 from videodit.data.buckets.config import resolve_bucket_config
 from videodit.errors import UserError
+from videodit.planner.levers import IN_FLIGHT, Levers, count_levers, levers_from_config
 from videodit.planner.estimate import (Estimate, Lora, Parallel, Precision, Shape, count_lora, count_model,
                                       estimate, parallel_from_config, precision_from_config)
 from videodit.models.flops import StepFlops, train_step_flops
@@ -126,11 +127,13 @@ class Planner:
     batch_multiple: int = 1     # pipeline micro-batches: batch sizes must be multiples
     lora: Lora | None = None    # LoRA adapters on a frozen base (estimate.count_lora)
     experts: int = 1            # whole models held, one trained per step (model.expert=both: 2)
+    levers: Levers = Levers()   # fp8 base, 8-bit moments, block swapping, fp8 compute (planner/levers.py)
 
     def __post_init__(self):
         with torch.device("meta"):    # structure only: no memory, no initialisation cost
             self.meta_model = spec_of(self.geometry).build(self.geometry)
         self.counts = count_model(self.geometry, self.meta_model)
+        self.lever_counts = count_levers(self.meta_model)
 
     @property
     def budget(self) -> float:
@@ -144,9 +147,11 @@ class Planner:
     def estimate(self, batch: int, num_frames: int, height: int, width: int, **changes) -> Estimate:
         memory = dataclasses.replace(self.memory, **changes.pop("memory", {}))
         parallel = dataclasses.replace(self.parallel, **changes.pop("parallel", {}))
+        levers = dataclasses.replace(self.levers, **changes.pop("levers", {}))
         return estimate(self.geometry, self.shape(batch, num_frames, height, width), parallel=parallel,
                         precision=Precision(self.bf16), memory=memory, ema=self.ema,
-                        encoder_bytes=self.encoder_bytes, counts=self.counts, lora=self.lora, experts=self.experts)
+                        encoder_bytes=self.encoder_bytes, counts=self.counts, lora=self.lora, experts=self.experts,
+                        levers=levers, lever_counts=self.lever_counts)
 
     def max_batch(self, num_frames: int, height: int, width: int, **changes) -> int:
         """The largest batch (a multiple of ``batch_multiple``) under the budget; 0 if none."""
@@ -170,6 +175,9 @@ class Planner:
         return None
 
     def _fixes(self):
+        """Changes in order of their step-time cost: checkpointing, then the levers of
+        ``planner/levers.py`` (each with full checkpointing and the cheaper levers before it),
+        sequence parallelism, offload, block swapping, FSDP's CPU offload."""
         m, p, heads = self.memory, self.parallel, self.geometry.num_heads
         if m.checkpointing == "none":
             yield "memory.checkpointing=selective", {"memory": {"checkpointing": "selective"}}
@@ -177,6 +185,15 @@ class Planner:
             yield ("memory.checkpointing=full (all blocks)",
                    {"memory": {"checkpointing": "full", "checkpoint_every": 1, "checkpoint_fraction": 1.0}})
         full = {"checkpointing": "full", "checkpoint_every": 1, "checkpoint_fraction": 1.0}
+        levers, said = {}, []   # the cheap levers, accumulated
+        if self.lora is None and self.levers.optimizer == "adamw":
+            levers["optimizer"] = "adamw8bit"
+            said.append("train.optimizer=adamw8bit")
+            yield f"{' with '.join(said)} with memory.checkpointing=full", {"memory": full, "levers": dict(levers)}
+        if self.lora is not None and not self.levers.fp8_base and p.tp == 1:
+            levers["fp8_base"] = True
+            said.append("lora.base_dtype=fp8")
+            yield f"{' with '.join(said)} with memory.checkpointing=full", {"memory": full, "levers": dict(levers)}
         for sp in (2, 4, 8, 16):
             # On the same GPUs (FSDP shards over dp_shard x sp, a fixed number), or on sp GPUs
             # where there is one: the default dp_shard=-1 then shards over the SP ranks.
@@ -186,6 +203,13 @@ class Planner:
                        {"memory": full, "parallel": {"sp": sp, "shard": p.shard if same_gpus else sp}})
         yield ("memory.offload=true with memory.checkpointing=selective",
                {"memory": {"checkpointing": "selective", "offload": True}})
+        offload = {**full, "offload": True}   # the checkpointed blocks' inputs on the host too
+        said.append("memory.offload=true")
+        yield f"{' with '.join(said)} with memory.checkpointing=full", {"memory": offload, "levers": dict(levers)}
+        if self.lora is not None and p.shard == 1 and p.tp == 1 and p.pp == 1:   # block swapping's own limits
+            for count in range(max(self.levers.swap_blocks, IN_FLIGHT) + 1, self.counts.depth_blocks + 1):
+                yield (" with ".join([*said, f"memory.swap_blocks={count}", "memory.checkpointing=full"]),
+                       {"memory": offload, "levers": {**levers, "swap_blocks": count}})
         if p.shard > 1:
             yield ("parallel.cpu_offload=true with memory.checkpointing=full",
                    {"memory": full, "parallel": {"cpu_offload": True}})
@@ -356,7 +380,8 @@ def planner_from_config(cfg: Config, gpu_bytes: int, *, world_size: int | None =
     return Planner(geometry, parallel, precision_from_config(cfg).bf16, cfg.memory, latent, length, gpu_bytes,
                    margin, ema=cfg.train.ema_decay > 0, batch_multiple=multiple,
                    encoder_bytes=frozen_encoder_bytes(cfg) if encoder_bytes is None else encoder_bytes,
-                   lora=count_lora(cfg.lora, geometry), experts=2 if cfg.model.expert == "both" else 1)
+                   lora=count_lora(cfg.lora, geometry), experts=2 if cfg.model.expert == "both" else 1,
+                   levers=levers_from_config(cfg))
 
 
 def _cached_geometry(cfg: Config, latent: LatentGeometry | None,

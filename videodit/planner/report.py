@@ -69,7 +69,8 @@ def plan_summary(planner: Planner, gpu_bytes: int) -> str:
             f"{'bf16 autocast' if planner.bf16 else 'fp32'} | checkpointing={m.checkpointing}"
             f"{f' every {m.checkpoint_every}' if m.checkpoint_every > 1 else ''}"
             f"{f' fraction {m.checkpoint_fraction}' if m.checkpoint_fraction < 1 else ''}"
-            f"{' offload' if m.offload else ''}{f' compression={m.compression}' if m.compression != 'none' else ''} | "
+            f"{' offload' if m.offload else ''}{f' compression={m.compression}' if m.compression != 'none' else ''}"
+            f"{''.join(f' {lever}' for lever in planner.levers.describe())} | "
             f"budget {gib(planner.budget)} of {gib(gpu_bytes)} GiB ({planner.margin:.0%} margin)")
 
 
@@ -82,6 +83,7 @@ def _lora_summary(planner: Planner) -> str:
 def plan_json(planner: Planner, plans: list[BucketFit], gpu_bytes: int) -> str:
     first = plans[0].estimate if plans else None
     model = {"num_params": planner.counts.num_params * planner.experts, "experts": planner.experts,
+             "levers": planner.levers.describe(),
              "params_per_gpu": int(first.detail["params_per_gpu"]) if first else 0}
     if planner.lora is not None:
         model.update(lora_rank=planner.lora.rank, adapter_params=planner.lora.params * planner.experts)

@@ -8,6 +8,7 @@ LR schedule, the data position and every random generator.
   pipeline stage, so sampling and export read them on one process;
 - ``optimizer``: name-keyed (``optimizer.pt``) when nothing is sharded. Sharded runs keep it
   in the DCP shards only (``dcp/``, with model and EMA), since gathering it would not fit;
+  8-bit moments (``train.optimizer=adamw8bit``) as their codes and scales (``moments8bit.py``);
 - ``state.json``: step, epoch, data position, LR schedule, Python and NumPy RNG;
   ``rng.safetensors``: torch's CPU (and CUDA) generator.
 """
@@ -30,6 +31,8 @@ from videodit.parallel.parallelize import ParallelModel
 from videodit.parallel.state import (full_tensors, gather_stages, load_model_state, load_optimizer_state,
                                      load_shards, optimizer_state, save_shards, saved_state)
 from videodit.train.ema import EMA
+from videodit.train.moments8bit import plain_moments, restored_moments
+from videodit.train.optimizer import scheduler_state
 
 
 @dataclass
@@ -85,13 +88,13 @@ class TrainState:
         json_state = {
             "step": progress.step, "epoch": progress.epoch,
             "data": self.sampler.state_dict(progress.epoch, progress.offset),
-            "scheduler": self.scheduler.state_dict(),
+            "scheduler": scheduler_state(self.scheduler),   # numbers, also where the optimizer's LR is a tensor
             "python_rng": _jsonable(random.getstate()),
             "numpy_rng": [np_state[0], np_state[1].tolist(), *np_state[2:]],
         }
         if self.lora_base is not None:
             json_state["lora_base"] = self.lora_base
-        torch_states = {} if sharded else {"optimizer": optimizer_state(self.model, self.optimizer)}
+        torch_states = {} if sharded else {"optimizer": plain_moments(optimizer_state(self.model, self.optimizer))}
         path = manager.save(progress.step, tensors=tensors, torch_states=torch_states, json_state=json_state,
                             config_yaml=config_yaml, metrics=metrics, blocking=blocking,
                             write_shards=write_shards if sharded else None)
@@ -135,7 +138,8 @@ class TrainState:
             load_model_state(self.model, ckpt.tensors("model"))
             if ema is not None:
                 self.ema.load_state_dict(ckpt.tensors("ema"))
-            load_optimizer_state(self.model, self.optimizer, ckpt.torch_state("optimizer"))
+            load_optimizer_state(self.model, self.optimizer,
+                                 restored_moments(ckpt.torch_state("optimizer"), self.optimizer, self.model))
         state = ckpt.json_state()
         self.scheduler.load_state_dict(state["scheduler"])
         epoch, offset = self.sampler.load_state_dict(state["data"], on_data_change)

@@ -44,13 +44,17 @@ from videodit.models.families import get_spec
 from videodit.models.spec import Conditions, count_parameters
 from videodit.parallel.compile import compile_options
 from videodit.parallel.distributed import init_distributed
+from videodit.parallel.float8 import float8_options, precompute_scales_after_step
+from videodit.parallel.fp8_base import base_storage_dtype, check_base_dtype
 from videodit.parallel.lora import apply_lora, lora_summary
+from videodit.parallel.block_swap import place_beside_swapped
 from videodit.parallel.parallelize import parallelize
 from videodit.sample import generate, guidance_of, write_clips
 from videodit.toy.make import ensure_toy_data
 from videodit.train.ema import EMA
 from videodit.train.loggers import check_loggers
 from videodit.train.metrics import MetricsLogger, Throughput, peak_tflops
+from videodit.train.optimizer import build_optimizer, last_lr, require_optimizer
 from videodit.train.run_folder import RunFolder
 from videodit.train.runtime import check_config_change, run_info, seed_everything
 from videodit.train.stop import StopSignals, StoppedWaitingForData
@@ -65,6 +69,7 @@ class Trainer:
         self.ckpt_root = run_dir / "checkpoints"
         tc = cfg.train
         check_loggers(tc.loggers)   # wandb asked for but not installed: refused before anything is built
+        require_optimizer(tc.optimizer)   # adamw8bit without torchao: the same
         if tc.threads:
             torch.set_num_threads(tc.threads)
         if tc.deterministic:
@@ -76,6 +81,7 @@ class Trainer:
         self.device = self.ctx.device
         self._cuda_settings()
         use_bf16 = tc.precision == "bf16" or (tc.precision == "auto" and self.device.type == "cuda")
+        check_base_dtype(cfg, use_bf16)   # lora.base_dtype against the run: one line, before anything is built
 
         # Data first: a bad CSV (or a cache built for other encoders) should fail before any model is built.
         if cfg.data.cache:   # stored latents and caption embeddings (data/feature_cache/)
@@ -126,28 +132,30 @@ class Trainer:
             taken = init_weights_from(model, cfg.model.init_from)
             if self.is_main:
                 print(f"model.init_from: starting from the {taken}", flush=True)
-        model = model.to(self.device)
         self.num_params = count_parameters(model)
         if cfg.lora.rank:   # adapters first, then every layer of parallelism (parallel/lora.py)
-            model = apply_lora(model, cfg.lora, base_dtype=torch.bfloat16 if use_bf16 else None)
+            # On the host: the base reaches the device already cast (bf16) or in fp8, never in
+            # fp32 whole (Wan 14B: 57 GB).
+            model = apply_lora(model, cfg.lora, base_dtype=base_storage_dtype(cfg.lora.base_dtype, use_bf16))
             if self.is_main:
                 print(lora_summary(model, cfg.lora), flush=True)
+        if cfg.memory.swap_blocks:   # the swapped blocks' frozen weights stay on the host
+            model = place_beside_swapped(model, cfg.memory.swap_blocks, self.device)
+        else:
+            model = model.to(self.device)
         loss_fn = self.flow.loss if self.conditioning is None else self.conditioning.loss(self.flow.loss)
         self.parallel = parallelize(model, self.ctx, cfg.parallel, memory=cfg.memory, loss_fn=loss_fn,
                                     autocast_dtype=torch.bfloat16 if use_bf16 else None,
                                     bucket_batch_sizes={f"{b.resolution}/{b.num_frames}/{b.ratio}": b.batch_size
                                                         for b in self.data.plan.buckets if b.batch_size},
-                                    base_grid=self._base_grid(model), compile=compile_options(tc))
+                                    base_grid=self._base_grid(model), compile=compile_options(tc),
+                                    fp8=float8_options(tc, self.device, self.ctx.dims.data_parallel))
         # This rank's parameters, named as in the whole model (FSDP2 and TP shard in place,
         # a pipeline stage keeps its parts).
         self.model = self.parallel.local_model
         self.ema = EMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
-        # On GPUs the fused kernel updates every parameter in a few launches (FSDP2/TP DTensors too);
-        # parameters kept on the host (parallel.cpu_offload) and CPU runs keep the default.
-        params = [p for p in self.model.parameters() if p.requires_grad or not cfg.lora.rank]   # LoRA: adapters
-        fused = bool(params) and all(p.device.type == "cuda" for p in params)
-        self.optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay,
-                                           fused=True if fused else None)
+        self.optimizer = build_optimizer(self.model, tc, lora=bool(cfg.lora.rank))   # train/optimizer.py
+        precompute_scales_after_step(self.optimizer, self.model)   # train.fp8 under FSDP2: one all-reduce
         warmup = max(tc.warmup_steps, 1)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
         self.state = TrainState(self.parallel, self.optimizer, self.scheduler, self.ema, self.sampler, lora_base)
@@ -200,7 +208,7 @@ class Trainer:
                     throughput.add(sum(len(b) for b in micro_batches), sum(map(self.model_flops, micro_batches)))
                     bar.update(1)
                     if progress.step % tc.log_every == 0 or progress.step == tc.max_steps:
-                        last = {"epoch": progress.epoch, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
+                        last = {"epoch": progress.epoch, "loss": loss, "lr": last_lr(self.scheduler),
                                 "grad_norm": grad_norm, **self._speed(throughput)}
                         if self.skipped_steps:
                             last["skipped_steps"] = self.skipped_steps

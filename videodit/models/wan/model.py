@@ -222,7 +222,7 @@ class WanAttention(nn.Module):
         if self.text_len:
             k_img = split_heads(self.norm_k_img(self.k_img(image)), self.head_dim)
             out = out + self.backend(q, k_img, split_heads(self.v_img(image), self.head_dim), kind=self.kind)
-        return self.o(merge_heads(out).to(self.o.weight.dtype))
+        return self.o(to_weight_dtype(merge_heads(out), self.o))   # not .weight: fp8 storage would dequantise it
 
 
 # ----------------------------------------------------------------------------- blocks
