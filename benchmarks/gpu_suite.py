@@ -48,6 +48,10 @@ Sections (``--sections``, default all):
   memory, bytes copied and how much of the copy time the side stream leaves exposed.
 * ``parallel``: with more than one GPU, step time and MFU of FSDP, SP, TP and PP over all
   GPUs (torchrun, one launch per layout).
+* ``data``: decode clips/s of NVDEC (torchcodec, ``data.decode_device=cuda``) against PyAV and
+  torchcodec on the CPU, on the same 832x480 x 81 h264 clips and 33-frame windows, and how far
+  each decoder's frames are from PyAV's (``benchmarks/decode_devices.py``). Needs torchcodec
+  (``pip install videodit[torchcodec]``) and FFmpeg's shared libraries.
 
 What could not be measured (no GPU, one GPU, out of memory, a failure, the time budget) is
 listed in the section's last table ("Not measured", with the reason) instead of silently
@@ -111,7 +115,7 @@ another file), printed as it goes; its last table lists what was not measured an
 """
 
 GiB = 2**30
-SECTIONS = ("mfu", "sdpa", "fastpaths", "planner", "tune", "levers", "fp8", "swap", "parallel")
+SECTIONS = ("mfu", "sdpa", "fastpaths", "planner", "tune", "levers", "fp8", "swap", "parallel", "data")
 LEVERS = {   # name -> memory.* overrides (the levers act on blocks that are not checkpointed)
     "none": {},
     "checkpoint full": {"memory.checkpointing": "full"},
@@ -870,6 +874,12 @@ def section_parallel(w: Workload, report: Report, args) -> None:
                                 "samples / s / GPUs / peak.")
 
 
+def section_data(w: Workload, report: Report, args) -> None:
+    from decode_devices import section_data as decode_clips   # benchmarks/ is this script's folder
+
+    decode_clips(w, report, args)
+
+
 def worker(args) -> None:
     """Under torchrun: time each layout given in --worker; rank 0 appends one JSON line each."""
     import torch.distributed as dist
@@ -972,7 +982,7 @@ def main(argv=None) -> int:
     report = Report(w)
     funcs = {"mfu": section_mfu, "sdpa": section_sdpa, "fastpaths": section_fastpaths, "planner": section_planner,
              "tune": section_tune, "levers": section_levers, "fp8": section_fp8,
-             "swap": section_swap, "parallel": section_parallel}
+             "swap": section_swap, "parallel": section_parallel, "data": section_data}
     for name in SECTIONS:
         if name in sections:
             print(f"\n== {name}", flush=True)

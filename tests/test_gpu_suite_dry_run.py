@@ -50,10 +50,16 @@ def test_dry_run_measures_every_section_and_appends_one_section(tmp_path):
     assert [row.split(" | ")[1] for row in swap] == ["0 of 2", "1 of 2", "2 of 2"]
     layouts = [row.split(" | ")[0][2:] for row in table_rows(text, "### Parallel layouts")]
     assert layouts == ["fsdp=2", "sp=2", "tp=2", "pp=2 x fsdp=1"]
-    # On CPU only what needs a GPU is missing, each with its reason; nothing failed.
+    decoders = [row.split(" | ")[0][2:] for row in table_rows(text, "### Data: decode clips/s")]
+    assert decoders in (["PyAV, CPU"], ["PyAV, CPU", "torchcodec, CPU"])        # NVDEC needs a GPU
+    # On CPU only what needs a GPU (or torchcodec, where it does not load) is missing, each with
+    # its reason; nothing failed.
     missing = table_rows(text, "### Not measured")
+    if decoders == ["PyAV, CPU"]:
+        assert [row for row in missing if row.startswith("| data: torchcodec CPU decode | ")], missing
+        missing = [row for row in missing if not row.startswith("| data: torchcodec CPU decode | ")]
     assert {row.split(" | ")[0][2:] for row in missing} == {"MFU", "TF32 matmuls", "lever offload",
-                                                           "lever offload + fp8",
+                                                           "data: NVDEC decode", "lever offload + fp8",
                                                            "lever checkpoint full + offload"}, missing
     assert "failed" not in text
 

@@ -15,6 +15,7 @@ the index. A killed build started again redoes only the shards without their ind
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -31,7 +32,9 @@ from videodit.components import build_encoders, build_image_encoder, first_frame
 from videodit.config import Config
 from videodit.data.buckets.plan import BucketPlan
 from videodit.data.dataset import VideoDataset
+from videodit.data.decoder_choice import current_decoder, resolve_decoder, use_decoder_in_worker, using_decoder
 from videodit.data.feature_cache import conditions
+from videodit.data.feature_cache.background import ShardWriterThread
 from videodit.data.feature_cache.format import (DTYPES, FAILED, FORMAT, INDEX, LOCK, MANIFEST, MAX_FRAMES,
                                                 SHARDS, VALIDATION, VERSION, bucket_layout, encoder_identity,
                                                 jsonable, read_manifest, remove_leftovers, same_build, shard_name,
@@ -41,6 +44,7 @@ from videodit.data.feature_cache.reader import index_problem
 from videodit.data.feature_cache.writer import (Items, ShardWriter, finish_index, part_problem, plan_items,
                                                 shard_count, shard_done, shard_slice)
 from videodit.data.metadata import read_metadata
+from videodit.data.pixels import to_model_input
 from videodit.data.video import VideoReadError
 from videodit.errors import UserError
 from videodit.models.families import get_spec
@@ -94,6 +98,7 @@ def build_cache(cfg: Config, out: str | Path, *, views: int = 1, shard_size: int
     say = log if rank == 0 else (lambda *a, **k: None)
     lock = BuildLock(out)   # taken by rank 0, before anything in the folder is touched
     try:
+        decoder = resolve_decoder(cfg.data.decoder, cfg.data.decode_device, notice=lambda line: say(line, flush=True))
         _on_main(lambda: ensure_toy_data(cfg))
         vae, text = build_encoders(cfg, device)
         image = build_image_encoder(cfg, device)   # None unless the model embeds image features
@@ -116,9 +121,10 @@ def build_cache(cfg: Config, out: str | Path, *, views: int = 1, shard_size: int
         if dist.is_initialized():   # no collective after this point: ranks finish at their own pace
             dist.destroy_process_group()
         started, encoded = time.perf_counter(), 0
-        for part in parts:
-            encoded += _encode_shards(cfg, part, encoders, device, rank, world, batch_size, _TORCH_DTYPES[dtype],
-                                      show=rank == 0)
+        with using_decoder(decoder):
+            for part in parts:
+                encoded += _encode_shards(cfg, part, encoders, device, rank, world, batch_size, _TORCH_DTYPES[dtype],
+                                          show=rank == 0)
         seconds = time.perf_counter() - started
         rate = encoded / seconds if seconds > 0 else 0.0
         if rank != 0:
@@ -283,17 +289,23 @@ def _encode_shards(cfg: Config, part: Part, encoders: Encoders, device: torch.de
     dataset = VideoDataset(part.meta, part.plan, cfg.data.frame_interval, seed=cfg.train.seed,
                            max_pixels=cfg.data.max_pixels)
     decode = _Decode(dataset, part.items)
+    decoder = current_decoder()
+    # Workers decode while this process encodes. CUDA cannot start in a forked child of a process
+    # that uses it, so NVDEC workers are spawned and told the decoder choice.
+    spawn = decoder.device == "cuda" and cfg.data.num_workers > 0
     loader = DataLoader(decode, batch_sampler=[g for _, g in groups], collate_fn=list,
-                        num_workers=cfg.data.num_workers)
+                        num_workers=cfg.data.num_workers, multiprocessing_context="spawn" if spawn else None,
+                        worker_init_fn=functools.partial(use_decoder_in_worker, decoder))
     total = sum(len(g) for _, g in groups)
     bar = tqdm(total=total, desc=f"cache {part.folder.name}", unit="clip", dynamic_ncols=True,
                disable=None if show else True)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if encoders.in_bf16 else contextlib.nullcontext()
     items, writer, done, started, shown = part.items, None, 0, time.perf_counter(), time.perf_counter()
+    background = ShardWriterThread()   # writes each finished shard while the next one is encoded
     try:
         for (shard, positions), samples in zip(groups, loader):
             if writer is not None and writer.shard != shard:
-                writer.write()
+                background.submit(writer)
             if writer is None or writer.shard != shard:
                 writer = ShardWriter(part.folder, shard, dtype)
             good = []
@@ -304,7 +316,7 @@ def _encode_shards(cfg: Config, part: Part, encoders: Encoders, device: torch.de
                 else:
                     good.append((p, sample))
             if good:
-                video = torch.stack([s["video"] for _, s in good]).to(device)
+                video = to_model_input(torch.stack([s["video"] for _, s in good]), device)
                 with torch.no_grad(), autocast:
                     latents = encoders.vae.encode(video).float()
                     y, mask = encoders.text.encode([s["text"] for _, s in good])
@@ -320,8 +332,10 @@ def _encode_shards(cfg: Config, part: Part, encoders: Encoders, device: torch.de
                       flush=True)
                 shown = now
         if writer is not None:
-            writer.write()
+            background.submit(writer)
+        background.close()   # the last shards written; the thread's error, if any, raised here
     finally:
+        background.close(abort=True)   # after an error: nothing more is written once this returns
         bar.close()
     return done
 

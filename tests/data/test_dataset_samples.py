@@ -1,5 +1,6 @@
-"""VideoDataset samples: exactly full decode + frame sampling + resize/normalise, batched
-without copies, and robust to streams that change size mid-file."""
+"""VideoDataset samples: exactly full decode + frame sampling + resize (uint8), batched
+without copies, normalised on the device to the float path's values, and robust to streams
+that change size mid-file."""
 
 import numpy as np
 import pytest
@@ -11,8 +12,10 @@ from videodit.config import load_config
 from videodit.data.buckets.plan import BucketPlan
 from videodit.data.dataset import VideoDataset, collate, resize_center_crop, sample_frame_indices
 from videodit.data.metadata import read_metadata
+from videodit.data.pixels import RESIZE_TOLERANCE, crop_resize_uint8, to_model_input
 from videodit.data.video import read_video
 from videodit.data.video_write import write_video
+from with_decoders import decoder  # noqa: F401 -- the fixture: tests taking it run with PyAV and torchcodec
 
 SEED, NUM_FRAMES, INTERVAL, HEIGHT, WIDTH = 3, 5, 2, 32, 48
 
@@ -35,12 +38,21 @@ def _dataset(csv, batch_size=4):
     return VideoDataset(meta, BucketPlan(meta, cfg.data, batch_size, SEED), INTERVAL, seed=SEED)
 
 
-def _reference(path, index, epoch):
-    """What a sample is defined to be: decode everything, sample frames, resize, normalise."""
+def _picked(path, index, epoch):
     frames, _ = read_video(path)
     rng = np.random.default_rng([SEED, epoch, index])
-    picked = frames[sample_frame_indices(len(frames), NUM_FRAMES, INTERVAL, rng)]
-    video = torch.from_numpy(picked).permute(0, 3, 1, 2).float()
+    return frames[sample_frame_indices(len(frames), NUM_FRAMES, INTERVAL, rng)]
+
+
+def _reference_uint8(path, index, epoch):
+    """What a sample is defined to be: decode everything, sample frames, resize (uint8)."""
+    return crop_resize_uint8(_picked(path, index, epoch), HEIGHT, WIDTH)
+
+
+def _reference(path, index, epoch):
+    """The float path samples were before they stayed uint8 to the device: decode everything,
+    sample frames, resize in float, normalise."""
+    video = torch.from_numpy(_picked(path, index, epoch)).permute(0, 3, 1, 2).float()
     video = resize_center_crop(video, HEIGHT, WIDTH)
     return (video / 127.5 - 1.0).clamp(-1, 1).permute(1, 0, 2, 3)
 
@@ -63,17 +75,27 @@ def mixed_media(tmp_path_factory):
     return _write_csv(folder, names)
 
 
-def test_samples_are_bit_identical_to_full_decode_and_indexing(mixed_media):
+def test_samples_are_bit_identical_to_full_decode_and_indexing(mixed_media, decoder):
+    # Re-pinned when batches became uint8 (normalised on the device): the uint8 sample is still
+    # exactly full decode + indexing + resize; normalised, it equals the former float path
+    # exactly where no resize is needed and within RESIZE_TOLERANCE (one level of 255: the uint8
+    # resize rounds) for upscale.mp4 and downscale.mp4.
     dataset = _dataset(mixed_media)
     keys = [(index, epoch, 0) for epoch in range(3) for index in range(len(dataset))]
     loader = DataLoader(dataset, batch_sampler=[keys[i : i + 4] for i in range(0, len(keys), 4)],
                         collate_fn=collate)
     batched = torch.cat([batch.video for batch in loader])
     for row, (index, epoch, _) in enumerate(keys):
-        want = _reference(dataset.meta.paths[index], index, epoch)
+        path = dataset.meta.paths[index]
+        want, want_float = _reference_uint8(path, index, epoch), _reference(path, index, epoch)
         for got in (dataset[(index, epoch, 0)]["video"], batched[row]):
-            assert got.shape == (3, NUM_FRAMES, HEIGHT, WIDTH) and got.dtype == torch.float32
-            assert torch.equal(got, want), (dataset.meta.paths[index], epoch)
+            assert got.shape == (3, NUM_FRAMES, HEIGHT, WIDTH) and got.dtype == torch.uint8
+            assert torch.equal(got, want), (path, epoch)
+            normalised = to_model_input(got[None])[0]
+            if path.endswith(("upscale.mp4", "downscale.mp4")):
+                assert (normalised - want_float).abs().max() <= RESIZE_TOLERANCE, (path, epoch)
+            else:
+                assert torch.equal(normalised, want_float), (path, epoch)
 
 
 def test_held_batches_are_never_overwritten(mixed_media):
@@ -91,7 +113,7 @@ def test_held_batches_are_never_overwritten(mixed_media):
         assert torch.equal(tensor, copy)
 
 
-def test_worker_batches_equal_main_process_batches(mixed_media):
+def test_worker_batches_equal_main_process_batches(mixed_media, decoder):
     dataset = _dataset(mixed_media)
     keys = [[(i, 0, 0) for i in range(start, start + 4)] for start in (0, 4)]
     main = [b.video for b in DataLoader(dataset, batch_sampler=keys, collate_fn=collate)]
@@ -100,7 +122,7 @@ def test_worker_batches_equal_main_process_batches(mixed_media):
         assert torch.equal(a, b)
 
 
-def test_a_file_changing_size_mid_stream_makes_a_sample(tmp_path):
+def test_a_file_changing_size_mid_stream_makes_a_sample(tmp_path, decoder):
     size_change_mp4(tmp_path / "joined.mp4", moving_frames(6, 32, 48), moving_frames(6, 48, 32, seed=1))
     dataset = _dataset(_write_csv(tmp_path, ["joined.mp4"]))
     for epoch in range(4):   # windows in either part and across the change
@@ -108,7 +130,7 @@ def test_a_file_changing_size_mid_stream_makes_a_sample(tmp_path):
         assert sample["video"].shape == (3, NUM_FRAMES, HEIGHT, WIDTH) and not sample["failed"]
 
 
-def test_unreadable_files_in_a_batch_are_replaced_in_place(mixed_media, tmp_path):
+def test_unreadable_files_in_a_batch_are_replaced_in_place(mixed_media, tmp_path, decoder):
     folder = mixed_media.parent
     (tmp_path / "broken.mp4").write_bytes(b"not a video")
     csv = tmp_path / "meta.csv"
@@ -122,4 +144,4 @@ def test_unreadable_files_in_a_batch_are_replaced_in_place(mixed_media, tmp_path
     assert "not a readable video" in samples[1]["failed"][0][1]
     batch = collate(samples)
     replacement = dataset.meta.texts.index(batch.text[1])   # each file's text is its name
-    assert torch.equal(batch.video[1], _reference(dataset.meta.paths[replacement], replacement, 0))
+    assert torch.equal(batch.video[1], _reference_uint8(dataset.meta.paths[replacement], replacement, 0))

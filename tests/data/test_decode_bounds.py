@@ -23,6 +23,7 @@ from videodit.data.video import (MAX_PIXELS, FrameTooLarge, VideoReadError, prob
 from videodit.data.video_write import write_video
 from videodit.errors import UserError
 from videodit.sample import read_reference
+from with_decoders import decoder  # noqa: F401 -- the fixture: tests taking it run with PyAV and torchcodec
 
 HEIGHT, WIDTH = 16, 24
 
@@ -69,7 +70,7 @@ def _dataset(folder, rows, max_pixels):
     # A FIFO would block PyAV's open forever.
     ("fifo", "not a regular file but a FIFO; give a regular file"),
 ])
-def test_a_clip_beyond_max_pixels_or_not_a_file_is_skipped_and_reported(tmp_path, case, reason):
+def test_a_clip_beyond_max_pixels_or_not_a_file_is_skipped_and_reported(tmp_path, case, reason, decoder):
     write_video(tmp_path / "good.mp4", moving_frames(6, 32, 48), fps=8)
     bad, csv_size = tmp_path / f"bad-{case}.mp4", (HEIGHT, WIDTH)
     if case == "csv":
@@ -115,7 +116,7 @@ def test_training_skips_and_names_a_clip_beyond_max_pixels(toy_dir, tmp_path, ca
 # --------------------------------------------------------------------------- shrinking while reading
 
 
-def test_frames_far_larger_than_the_bucket_are_shrunk_while_decoded(tmp_path):
+def test_frames_far_larger_than_the_bucket_are_shrunk_while_decoded(tmp_path, decoder):
     # 640x960 for a 16x24 bucket: 40x its cover size, decoded at 4x (64x96) in the colour
     # conversion, the window reader and the full decode alike; the sample stays close to what
     # resizing the full-size frames gives.
@@ -172,7 +173,7 @@ def test_a_huge_or_irregular_reference_is_refused_in_one_line(tmp_path, case, me
     assert message.format(path=path) in str(info.value) and "\n" not in str(info.value)
 
 
-def test_readers_and_scan_refuse_a_fifo_or_device_and_probe_huge_images_by_header(tmp_path):
+def test_readers_and_scan_refuse_a_fifo_or_device_and_probe_huge_images_by_header(tmp_path, decoder):
     os.mkfifo(tmp_path / "fifo.mp4")
     for path, kind in ((tmp_path / "fifo.mp4", "a FIFO"), ("/dev/zero", "a character device")):
         for reader in (read_video, probe_video):

@@ -12,6 +12,7 @@ from videodit.data import video, video_write
 from videodit.data.video import IMAGE_FPS, VideoReadError, probe_video, read_video
 from videodit.data.video_write import write_video
 from videodit.errors import UserError
+from with_decoders import decoder  # noqa: F401 -- the fixture: tests taking it run with PyAV and torchcodec
 
 COLOURS = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (255, 255, 255)]
 
@@ -39,7 +40,7 @@ def _listdir(path):
 # --------------------------------------------------------------------------- round trips
 
 
-def test_mp4_round_trip(tmp_path):
+def test_mp4_round_trip(tmp_path, decoder):
     frames = _blocks_clip()
     path = tmp_path / "clip.mp4"
     write_video(path, frames, fps=8)
@@ -141,7 +142,7 @@ def test_crash_mid_write_keeps_old_file_and_leaves_no_temp(tmp_path, monkeypatch
     ("empty.png", b"", "empty"),
     ("text.png", b"not an image either\n", "not a readable image"),
 ])
-def test_unreadable_files_raise_video_read_error(tmp_path, name, content, reason):
+def test_unreadable_files_raise_video_read_error(tmp_path, name, content, reason, decoder):
     path = tmp_path / name
     if content is not None:
         path.write_bytes(content)
@@ -177,7 +178,7 @@ def window_path(request, monkeypatch):
     (1000, None),         # one keyframe: decode from the start, stop after the window
     (10, "variable"),     # variable frame rate: frame numbers cannot come from time
 ])
-def test_indices_give_exactly_the_frames_of_a_full_decode(tmp_path, keyint, pts, window_path):
+def test_indices_give_exactly_the_frames_of_a_full_decode(tmp_path, keyint, pts, window_path, decoder):
     total = 120
     rng = np.random.default_rng(keyint)
     if pts == "variable":
@@ -195,7 +196,7 @@ def test_indices_give_exactly_the_frames_of_a_full_decode(tmp_path, keyint, pts,
     np.testing.assert_array_equal(got, full[[total - 1, 0]])
 
 
-def test_a_window_decodes_only_from_the_keyframe_before_it_to_its_last_frame(tmp_path, window_path):
+def test_a_window_decodes_only_from_the_keyframe_before_it_to_its_last_frame(tmp_path, window_path, decoder):
     pristine, damaged = tmp_path / "pristine.mp4", tmp_path / "damaged.mp4"
     encode_h264(pristine, moving_frames(64, 32, 48), keyint=8, bframes=0)
     damage_outside(pristine, damaged, keep=range(40, 45))   # keyframe 40 .. frame 44 intact
@@ -219,7 +220,7 @@ def test_a_window_holds_only_its_frames_in_memory(tmp_path):
     assert peaks[0] >= whole and peaks[1] < whole / 20, peaks
 
 
-def test_indices_on_images_and_gifs(tmp_path):
+def test_indices_on_images_and_gifs(tmp_path, decoder):
     frames = _blocks_clip(num_frames=6, height=16, width=16)
     write_video(tmp_path / "clip.gif", frames, fps=8)
     got, _ = read_video(tmp_path / "clip.gif", indices=[5, 0, 5])
@@ -230,14 +231,14 @@ def test_indices_on_images_and_gifs(tmp_path):
     assert fps == IMAGE_FPS
 
 
-def test_indices_past_the_end_raise_video_read_error(tmp_path):
+def test_indices_past_the_end_raise_video_read_error(tmp_path, decoder):
     path = tmp_path / "clip.mp4"
     write_video(path, _blocks_clip(num_frames=8), fps=8)
     with pytest.raises(VideoReadError, match="frame 8 was asked for but the video has 8 frames"):
         read_video(path, indices=[0, 8])
 
 
-def test_a_stream_that_changes_size_reads_at_its_first_size(tmp_path):
+def test_a_stream_that_changes_size_reads_at_its_first_size(tmp_path, decoder):
     green, red = (30, 200, 30), (200, 30, 30)
     path = tmp_path / "concatenated.mp4"
     size_change_mp4(path, np.full((6, 32, 48, 3), green, np.uint8), np.full((5, 48, 32, 3), red, np.uint8))
@@ -249,7 +250,7 @@ def test_a_stream_that_changes_size_reads_at_its_first_size(tmp_path):
     np.testing.assert_array_equal(window, frames[[9, 10]])
 
 
-def test_indices_on_a_cut_file_follow_the_frames_that_decode(tmp_path):
+def test_indices_on_a_cut_file_follow_the_frames_that_decode(tmp_path, decoder):
     # Index (moov) at the front, then cut: more packets survive than frames decode, so
     # frame numbers must come from a full decode, as they always did.
     whole = tmp_path / "whole.mp4"

@@ -183,6 +183,13 @@ class DataConfig:
     max_pixels: int = opt(MAX_PIXELS, "largest decoded frame (height x width) a clip or image may have: "
                           "larger ones are skipped and reported like unreadable files, before their frames are "
                           "decoded (a crafted 16000x16000 clip would need ~12 GB)", min=1)
+    decoder: str = opt("auto", "video decoder of videodit cache build: auto (torchcodec where it loads, else "
+                       "PyAV), pyav, or torchcodec (pip install videodit[torchcodec], plus FFmpeg 4-8 shared "
+                       "libraries); both give the same frames, and files torchcodec cannot read exactly are read by "
+                       "PyAV",
+                       choices=("auto", "pyav", "torchcodec"))
+    decode_device: str = opt("cpu", "where videos are decoded: cpu, or cuda (torchcodec's NVDEC on the GPU; not "
+                             "with data.decoder=pyav)", choices=("cpu", "cuda"))
     max_bad_fraction: float = opt(0.05, "stop when more than this fraction of file reads fail",
                                   min=0.0, max=1.0)
     on_change: str = opt("error", "on resume with a changed dataset or bucket config: error or "

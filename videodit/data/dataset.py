@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, default_collate, get_worker_info
 
 from videodit.data.metadata import Metadata
+from videodit.data.pixels import clip_channels_last, cover_size, crop_resize_uint8
+from videodit.data.shared_slots import Lease, SlotBoard, fresh_shared
 from videodit.data.video import MAX_PIXELS, FrameTooLarge, VideoReadError, read_video
 from videodit.errors import UserError
 
@@ -46,10 +48,7 @@ def sample_frame_indices(total: int, num_frames: int, interval: int, rng: np.ran
     return np.minimum(start + np.arange(num_frames) * interval, total - 1)
 
 
-def _cover_size(h: int, w: int, height: int, width: int) -> tuple[int, int, float]:
-    """Size that covers ``height x width`` keeping the aspect ratio, and the scale factor."""
-    scale = max(height / h, width / w)
-    return max(height, round(h * scale)), max(width, round(w * scale)), scale
+_cover_size = cover_size   # the one definition lives in pixels.py, with the uint8 path
 
 
 def resize_center_crop(video: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -65,7 +64,9 @@ def resize_center_crop(video: torch.Tensor, height: int, width: int) -> torch.Te
 
 def clip_tensor(frames: np.ndarray, height: int, width: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 [T, h, w, 3] -> float [3, T, height, width] in [-1, 1]: resize_center_crop, then
-    ``x / 127.5 - 1``; written into ``out`` when given.
+    ``x / 127.5 - 1``; written into ``out`` when given. Training batches are uint8
+    (``pixels.crop_resize_uint8``, normalised on the device); this float path reads sampling
+    references and is what the uint8 path is checked against.
 
     Without a resize (crop only) NumPy does the work: bit-identical values (the map is per
     uint8 value), with no OpenMP threads to wait on and no intermediate float tensors.
@@ -119,7 +120,7 @@ class _BufferPool:
 
     def __init__(self, keep: int = 2, max_bytes: int = 256 * 2**20):
         self.keep, self.max_bytes = keep, max_bytes
-        self.buffers: list[np.ndarray] = []   # flat float32, most recently allocated first
+        self.buffers: list[np.ndarray] = []   # flat uint8, most recently allocated first
         self.lock = threading.Lock()
         probe = [np.empty(0)]
         self.free_refs = _refs(probe[0])     # measured the way take() counts them
@@ -130,7 +131,7 @@ class _BufferPool:
             for i in range(len(self.buffers)):
                 if self.buffers[i].size >= size and _refs(self.buffers[i]) == self.free_refs:
                     return torch.from_numpy(self.buffers[i][:size].reshape(dims))
-            buffer = np.empty(size, dtype=np.float32)
+            buffer = np.empty(size, dtype=np.uint8)
             if buffer.nbytes <= self.max_bytes:
                 self.buffers = [buffer, *self.buffers][: self.keep]
             return torch.from_numpy(buffer.reshape(dims))
@@ -139,23 +140,25 @@ class _BufferPool:
 _BUFFERS = _BufferPool()
 
 
-def _batch_tensor(size: int, shape) -> torch.Tensor:
-    """Uninitialised float [size, 3, T, H, W] that a batch's samples are written into.
+def _batch_tensor(size: int, shape, slots: SlotBoard | None = None) -> tuple[torch.Tensor, Lease | None]:
+    """Uninitialised uint8 [size, 3, T, H, W] (over [size, T, H, W, 3] memory, see pixels.py)
+    that a batch's samples are written into, and the lease of its worker slot if it has one.
 
-    In a DataLoader worker it lives in shared memory (as default_collate allocates it), so
-    sending it to the main process copies nothing. Elsewhere it comes from _BUFFERS.
+    In a DataLoader worker it lives in shared memory, so sending it to the main process copies
+    nothing: a slot of ``slots`` that the worker reuses (shared_slots.py), else fresh (as
+    default_collate allocates it). Elsewhere it comes from _BUFFERS.
     """
-    dims = (size, 3, shape.num_frames, shape.height, shape.width)
+    dims = (size, shape.num_frames, shape.height, shape.width, 3)
     if not _in_worker():
-        return _BUFFERS.take(dims)
-    elem = torch.empty(0)
-    storage = elem._typed_storage()._new_shared(math.prod(dims), device=elem.device)
-    return elem.new(storage).resize_(*dims)
+        return _BUFFERS.take(dims).permute(0, 4, 1, 2, 3), None
+    batch, lease = (fresh_shared(dims), None) if slots is None else slots.take(get_worker_info().id, dims)
+    return batch.permute(0, 4, 1, 2, 3), lease
 
 
 class VideoDataset(Dataset):
-    """Samples by ``(index, epoch, bucket)`` key: ``{"video": float [3, T, H, W] in [-1, 1],
-    "text", "fps", "failed": [(path, reason), ...]}``.
+    """Samples by ``(index, epoch, bucket)`` key: ``{"video": uint8 [3, T, H, W] (``[T, H, W, 3]``
+    memory; ``pixels.to_model_input`` makes it float in [-1, 1] on the device), "text", "fps",
+    "failed": [(path, reason), ...]}``.
 
     A DataLoader fetches a batch through ``__getitems__``: the batch's videos are views into
     one ``[B, 3, T, H, W]`` tensor, which ``collate`` hands over without copying.
@@ -169,6 +172,7 @@ class VideoDataset(Dataset):
         self.seed = seed
         self.max_replacements = max_replacements
         self.max_pixels = max_pixels
+        self.slots: SlotBoard | None = None   # reused worker batch buffers (loader.py sets them)
 
     def __len__(self) -> int:
         return len(self.meta)
@@ -182,8 +186,10 @@ class VideoDataset(Dataset):
         with _one_torch_thread():
             if len(buckets) != 1:
                 return [self._sample(key, None) for key in keys]
-            videos = _batch_tensor(len(keys), self.plan.buckets[buckets.pop()])
-            return [self._sample(key, video) for key, video in zip(keys, videos)]
+            videos, lease = _batch_tensor(len(keys), self.plan.buckets[buckets.pop()], self.slots)
+            samples = [self._sample(key, video) for key, video in zip(keys, videos)]
+            samples[0]["lease"] = lease   # collate puts it on the Batch
+            return samples
 
     def _sample(self, key: tuple[int, int, int], out: torch.Tensor | None) -> dict:
         index, epoch, bucket = key
@@ -199,8 +205,8 @@ class VideoDataset(Dataset):
         # Every try failed: a black clip keeps the batch shape; the trainer's bad-file
         # guard stops the run long before such samples matter.
         shape = self.plan.buckets[bucket]
-        black = torch.full((3, shape.num_frames, shape.height, shape.width), -1.0)
-        return {"video": black if out is None else out.copy_(black), "text": "", "fps": 1.0, "failed": failed}
+        black = (clip_channels_last(shape.num_frames, shape.height, shape.width) if out is None else out).fill_(0)
+        return {"video": black, "text": "", "fps": 1.0, "failed": failed}
 
     def load(self, index: int, epoch: int, bucket: int, out: torch.Tensor | None = None) -> dict:
         shape = self.plan.buckets[bucket]
@@ -213,7 +219,7 @@ class VideoDataset(Dataset):
         frames, _ = read_video(path, indices=pick, threaded=self._threaded(index), max_pixels=self.max_pixels,
                                fit=(shape.height, shape.width))
         return {
-            "video": clip_tensor(frames, shape.height, shape.width, out),
+            "video": crop_resize_uint8(frames, shape.height, shape.width, out),
             "text": self.meta.texts[index],
             "fps": self.meta.fps[index] / (self.frame_interval if shape.num_frames > 1 else 1),
         }
@@ -240,33 +246,47 @@ class VideoDataset(Dataset):
 class Batch:
     """One collated batch of training samples."""
 
-    video: torch.Tensor          # [B, C, T, H, W] in [-1, 1]
+    video: torch.Tensor          # uint8 [B, C, T, H, W]; pixels.to_model_input: float in [-1, 1]
     text: list[str]
     fps: torch.Tensor            # [B] frames per second the model is told
     failed: list[tuple[str, str]] = field(default_factory=list)   # (path, reason) of reads replaced
     noise_seed: int = 0          # seeds the noise, timesteps and caption dropout (the trainer sets it)
+    lease: Lease | None = field(default=None, repr=False, compare=False)   # the worker slot ``video`` is in
 
     def __len__(self) -> int:
         return len(self.text)
 
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.lease is not None:   # arrived from a worker: its slot is reused once unused here
+            self.lease.arrived(self.video)
+
     def pin_memory(self) -> "Batch":
-        """The batch in page-locked memory (what ``DataLoader(pin_memory=True)`` calls)."""
-        return dataclasses.replace(self, video=self.video.pin_memory(), fps=self.fps.pin_memory())
+        """The batch in page-locked memory (what ``DataLoader(pin_memory=True)`` calls); the
+        worker's buffer is free again once this copy is made."""
+        return dataclasses.replace(self, video=self.video.pin_memory(), fps=self.fps.pin_memory(), lease=None)
 
 
 def collate(samples: list[dict]) -> Batch:
-    return Batch(video=_stack([s["video"] for s in samples]), text=[s["text"] for s in samples],
+    video = _stack([s["video"] for s in samples])
+    lease = samples[0].get("lease")
+    if lease is not None and video.data_ptr() != samples[0]["video"].data_ptr():
+        lease = None   # stacked into a copy: the slot is not what the batch holds
+    return Batch(video=video, text=[s["text"] for s in samples],
                  fps=torch.tensor([s["fps"] for s in samples], dtype=torch.float32),
-                 failed=[f for s in samples for f in s["failed"]])
+                 failed=[f for s in samples for f in s["failed"]], lease=lease)
 
 
 def _stack(videos: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack(videos)``; the tensor they are views of when they already are its rows
+    """``torch.stack(videos)``; the batch tensor they are views of when they already are its rows
     (``VideoDataset.__getitems__``), so a batch is never copied."""
     base = videos[0]._base
-    if (base is not None and base.shape == (len(videos), *videos[0].shape) and base.is_contiguous()
-            and all(v._base is base and v.data_ptr() == row.data_ptr() for v, row in zip(videos, base))):
-        return base
+    if base is not None and base.is_contiguous() and base.dim() == 5:
+        batch = base.permute(0, 4, 1, 2, 3)   # _batch_tensor's layout
+        if batch.shape == (len(videos), *videos[0].shape) and all(
+                v._base is base and v.data_ptr() == row.data_ptr() and v.stride() == row.stride()
+                for v, row in zip(videos, batch)):
+            return batch
     if _in_worker():
         return default_collate(videos)   # stacks straight into shared memory
     return torch.from_numpy(np.stack([v.numpy() for v in videos]))

@@ -10,8 +10,10 @@ import numpy as np
 from torch.utils.data import DataLoader
 
 from videodit.config import DataConfig
+from videodit.data import shared_slots
 from videodit.data.buckets.plan import BucketPlan
 from videodit.data.dataset import VideoDataset, collate
+from videodit.data.in_flight import prefetch_factor
 from videodit.data.metadata import Metadata, read_metadata
 from videodit.data.sampler import BucketBatchSampler
 from videodit.errors import UserError
@@ -30,7 +32,11 @@ def build_training_data(data: DataConfig, *, batch_size: int, seed: int, dp_rank
                         dp_size: int = 1, pin_memory: bool = False) -> TrainData:
     """``pin_memory`` (on GPUs): the loader hands over batches in page-locked memory, so that
     their host-to-device copy is asynchronous (``non_blocking``); with workers a thread of the
-    loader pins each batch while the previous step runs."""
+    loader pins each batch while the previous step runs.
+
+    Workers stay for the whole run (``persistent_workers``): each epoch's iteration reads the
+    sampler's position afresh in this process (``Trainer.batches`` sets it before iterating), so
+    only the keys travel to the workers; the workers hold nothing of the epoch."""
     meta = read_metadata(data.csv, bad_rows=data.bad_rows, cache=data.metadata_cache, progress=True)
     plan = BucketPlan(meta, data, batch_size, seed)
     dataset = VideoDataset(meta, plan, data.frame_interval, seed=seed, max_pixels=data.max_pixels)
@@ -43,8 +49,12 @@ def build_training_data(data: DataConfig, *, batch_size: int, seed: int, dp_rank
         raise UserError(f"no full batch in epoch 0: {len(meta)} samples, {int(counts.sum())} in buckets, "
                         f"none with a batch size's worth x {dp_size} rank(s); lower the batch sizes or add data "
                         "(videodit buckets META.csv --config CONFIG shows where samples go)")
+    prefetch = prefetch_factor(plan.buckets, data.num_workers)
+    if data.num_workers and shared_slots.available():
+        # Per worker: its batches in flight, the one the pin thread or the step holds, one spare.
+        dataset.slots = shared_slots.SlotBoard(data.num_workers, keep=prefetch + 2)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=data.num_workers,
-                        persistent_workers=False, pin_memory=pin_memory)
+                        persistent_workers=data.num_workers > 0, pin_memory=pin_memory, prefetch_factor=prefetch)
     return TrainData(meta, plan, dataset, sampler, loader)
 
 

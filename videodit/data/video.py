@@ -1,4 +1,4 @@
-"""Reading video and still images with PyAV (writing: ``video_write.py``).
+"""Reading video and still images with PyAV, or torchcodec where chosen (writing: ``video_write.py``).
 
 Frames are always ``uint8`` numpy arrays shaped ``[T, H, W, 3]`` in RGB order.
 
@@ -10,7 +10,9 @@ Reading
     ``probe_video`` reads container metadata only. Still images read as one-frame clips
     with ``fps == IMAGE_FPS``. A stream whose frame size changes mid-file is read at its
     first (declared) size. Anything that cannot be read raises ``VideoReadError`` naming
-    the path and the reason.
+    the path and the reason. With ``data.decoder`` torchcodec (``decoder_choice.py``) video
+    files are decoded by ``decode_torchcodec.py``, to the same frames; what it cannot read
+    exactly is read here as before.
 
 Bounds
     Only regular files are opened (``user_files.check_regular_file``): a FIFO would block
@@ -39,6 +41,7 @@ import numpy as np
 from PIL import Image
 
 from videodit.config.schema import MAX_PIXELS   # data.max_pixels's default, re-exported
+from videodit.data.decoder_choice import current_decoder
 from videodit.user_files import NotRegularFile, check_regular_file, open_user_file
 
 __all__ = [
@@ -185,6 +188,17 @@ def read_video(path: str | os.PathLike, *, indices: Indices | None = None, threa
     _check_readable(path)
     if is_image_path(path):
         return _select(path, _read_image(path, max_pixels=max_pixels, fit=fit)[None], indices), IMAGE_FPS
+    choice = current_decoder()
+    if choice.decoder == "torchcodec":
+        from videodit.data import decode_torchcodec   # imports torchcodec: only when it is chosen
+
+        got = decode_torchcodec.read_window(
+            path, lambda total: np.arange(total) if indices is None else _resolve_indices(path, indices, total),
+            codecs=_TABLE_CODECS, check_size=lambda width, height: _check_pixels(path, width, height, max_pixels),
+            shrinks=lambda width, height: shrunk_size(width, height, fit) is not None, threaded=threaded,
+            device=choice.device)
+        if got is not None:
+            return got
     if indices is not None:
         window = _read_window(path, indices, threaded, max_pixels, fit)
         if window is not None:

@@ -35,6 +35,7 @@ from videodit.config import Config, to_dict, to_yaml
 from videodit.data.dataset import BadFileGuard, Batch
 from videodit.data.feature_cache import CachedBatch, build_cached_training_data
 from videodit.data.loader import build_training_data
+from videodit.data.pixels import to_model_input
 from videodit.diffusion.expert_routing import ExpertRouting
 from videodit.diffusion.frame_mask import FrameConditioning
 from videodit.diffusion.rectified_flow import RectifiedFlow
@@ -351,7 +352,8 @@ class Trainer:
             first, image = batch.conditions(self.device)
             given = None if first is None else self.spec.first_frame_condition(first)
             return (*batch.features(self.device), batch.pixels, given, image)
-        video = batch.video.to(self.device, non_blocking=True)   # pinned by the loader on GPUs: asynchronous
+        # uint8, pinned by the loader on GPUs: copied asynchronously, made float in [-1, 1] on the device
+        video = to_model_input(batch.video, self.device)
         encode_autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.encode_in_bf16
                            else contextlib.nullcontext())
         with torch.no_grad(), encode_autocast:

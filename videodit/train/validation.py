@@ -16,6 +16,7 @@ from videodit.components import first_frame_features, first_frame_given
 from videodit.config import Config
 from videodit.data.feature_cache import CachedBatch, build_cached_validation_data
 from videodit.data.loader import build_validation_data
+from videodit.data.pixels import to_model_input
 from videodit.diffusion.rectified_flow import RectifiedFlow
 from videodit.models.families import spec_of
 from videodit.models.spec import Conditions
@@ -59,7 +60,7 @@ class Validator:
                 first, image = batch.conditions(self.device)   # an i2v model's, from the cache
                 given = None if first is None else spec_of(model).first_frame_condition(first)
             else:
-                video = batch.video.to(self.device)
+                video = to_model_input(batch.video, self.device)
                 x0 = vae.encode(video)
                 y, y_mask = text.encode(batch.text)
                 size = tuple(video.shape[2:])
