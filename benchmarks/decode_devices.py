@@ -8,10 +8,16 @@ memory for NVDEC (synchronised before the clock stops). Reads run round-robin ov
 the median of the rounds counts. ``max abs diff vs PyAV`` compares every decoder's frames with PyAV's
 (NVDEC converts colours on the GPU, so small differences are expected there; the CPU decoders
 are bit-identical).
+
+The second table trains on those clips (``videodit train``: the tiny STDiT, no VAE, a
+bucket of the clip size, batch 2, 8 steps) with 0 and 2 workers and reports the logged
+``data_wait``: the share of the loop's time spent waiting for the next batch, while the device
+has nothing queued. The first step's wait (the workers' start) is left out.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import tempfile
 import time
@@ -95,7 +101,34 @@ def section_data(w, report, args) -> None:
             rate = statistics.median(rates[name])
             rows.append([name, f"{rate:.2f}", f"{rate * window:.0f}", diff,
                          "GPU" if device == "cuda" else "host"])
+        waits = [[workers, *training_data_wait(w, paths, tmp, width, height, window, workers)] for workers in (0, 2)]
     report.table(f"Data: decode clips/s, CPU vs NVDEC ({width}x{height} x {frames} h264)",
                  ["decoder", "clips/s", "frames/s", "max abs diff vs PyAV (levels)", "frames land in"], rows,
                  note=f"{len(reads)} reads of a random {window}-frame window ({count} clips x 3), uint8; FFmpeg's "
                       f"threads on the CPU; median of {rounds} rounds after a warm-up, round-robin.")
+    report.table(f"Data: the training step waiting for data ({width}x{height} x {window} frames of those clips)",
+                 ["data.num_workers", "data_wait (share of step time)", "samples/s"], waits,
+                 note=f"videodit train, tiny STDiT without a VAE on {w.device.type}, batch 2, 8 steps, PyAV; the mean "
+                      "of the logged data_wait after step 1.")
+
+
+def training_data_wait(w, paths: list[Path], tmp: str, width: int, height: int, frames: int,
+                       workers: int) -> list[str]:
+    """(data_wait, samples/s) of a short run on ``paths`` with ``workers`` DataLoader workers."""
+    from videodit.cli import main
+
+    csv = Path(tmp) / "train.csv"
+    rows = [f"{p},a panned texture,{frames},{height},{width},{width / height:.4f},16.0" for p in paths]
+    csv.write_text("path,text,num_frames,height,width,aspect_ratio,fps\n" + "\n".join(rows * 4) + "\n")
+    out = Path(tmp) / f"run-{workers}"
+    args = [f"data.csv={csv}", f"data.num_frames={frames}", f"data.height={height}", f"data.width={width}",
+            f"data.num_workers={workers}", "data.make_toy_if_missing=false", "data.frame_interval=1",
+            "vae.kind=identity", "model.depth=1", "model.hidden_size=64", "model.num_heads=2",
+            "model.patch_size=[1,8,8]", "train.batch_size=2", "train.max_steps=8", "train.log_every=1",
+            "checkpoint.every_steps=0", "sample.steps=1", "sample.prompts=[a panned texture]", "validation.csv=null",
+            f"train.device={w.device.type}"]
+    if main(["train", "tiny", *args, "--out", str(out)]) != 0:
+        return ["failed", "-"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    return [f"{statistics.mean(r['data_wait'] for r in records):.3f}",
+            f"{statistics.mean(r['samples_per_s'] for r in records):.1f}"]

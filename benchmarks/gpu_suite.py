@@ -50,8 +50,9 @@ Sections (``--sections``, default all):
   GPUs (torchrun, one launch per layout).
 * ``data``: decode clips/s of NVDEC (torchcodec, ``data.decode_device=cuda``) against PyAV and
   torchcodec on the CPU, on the same 832x480 x 81 h264 clips and 33-frame windows, and how far
-  each decoder's frames are from PyAV's (``benchmarks/decode_devices.py``). Needs torchcodec
-  (``pip install videodit[torchcodec]``) and FFmpeg's shared libraries.
+  each decoder's frames are from PyAV's (``benchmarks/decode_devices.py``), and the share of a
+  training step spent waiting for data (``data_wait``) on those clips with 0 and 2 workers. The
+  NVDEC row needs torchcodec (``pip install videodit[torchcodec]``) and FFmpeg's shared libraries.
 
 What could not be measured (no GPU, one GPU, out of memory, a failure, the time budget) is
 listed in the section's last table ("Not measured", with the reason) instead of silently

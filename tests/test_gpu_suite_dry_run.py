@@ -52,6 +52,9 @@ def test_dry_run_measures_every_section_and_appends_one_section(tmp_path):
     assert layouts == ["fsdp=2", "sp=2", "tp=2", "pp=2 x fsdp=1"]
     decoders = [row.split(" | ")[0][2:] for row in table_rows(text, "### Data: decode clips/s")]
     assert decoders in (["PyAV, CPU"], ["PyAV, CPU", "torchcodec, CPU"])        # NVDEC needs a GPU
+    waits = table_rows(text, "### Data: the training step waiting for data")
+    assert [row.split(" | ")[0][2:] for row in waits] == ["0", "2"]               # data.num_workers
+    assert all(0 <= float(row.split(" | ")[1]) <= 1 for row in waits)
     # On CPU only what needs a GPU (or torchcodec, where it does not load) is missing, each with
     # its reason; nothing failed.
     missing = table_rows(text, "### Not measured")

@@ -15,7 +15,6 @@ the index. A killed build started again redoes only the shards without their ind
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import time
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from videodit.components import build_encoders, build_image_encoder, first_frame
 from videodit.config import Config
 from videodit.data.buckets.plan import BucketPlan
 from videodit.data.dataset import VideoDataset
-from videodit.data.decoder_choice import current_decoder, resolve_decoder, use_decoder_in_worker, using_decoder
+from videodit.data.decoder_choice import current_decoder, decoding_workers, resolve_decoder, using_decoder
 from videodit.data.feature_cache import conditions
 from videodit.data.feature_cache.background import ShardWriterThread
 from videodit.data.feature_cache.format import (DTYPES, FAILED, FORMAT, INDEX, LOCK, MANIFEST, MAX_FRAMES,
@@ -289,13 +288,9 @@ def _encode_shards(cfg: Config, part: Part, encoders: Encoders, device: torch.de
     dataset = VideoDataset(part.meta, part.plan, cfg.data.frame_interval, seed=cfg.train.seed,
                            max_pixels=cfg.data.max_pixels)
     decode = _Decode(dataset, part.items)
-    decoder = current_decoder()
-    # Workers decode while this process encodes. CUDA cannot start in a forked child of a process
-    # that uses it, so NVDEC workers are spawned and told the decoder choice.
-    spawn = decoder.device == "cuda" and cfg.data.num_workers > 0
+    # Workers decode while this process encodes.
     loader = DataLoader(decode, batch_sampler=[g for _, g in groups], collate_fn=list,
-                        num_workers=cfg.data.num_workers, multiprocessing_context="spawn" if spawn else None,
-                        worker_init_fn=functools.partial(use_decoder_in_worker, decoder))
+                        num_workers=cfg.data.num_workers, **decoding_workers(current_decoder(), cfg.data.num_workers))
     total = sum(len(g) for _, g in groups)
     bar = tqdm(total=total, desc=f"cache {part.folder.name}", unit="clip", dynamic_ncols=True,
                disable=None if show else True)

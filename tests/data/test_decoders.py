@@ -82,17 +82,32 @@ def test_the_config_takes_only_known_decoders_and_devices():
             load_config("tiny", [bad])
 
 
-def test_a_cache_build_with_an_unusable_decoder_stops_in_one_line_before_touching_out(toy_dir, tmp_path, capsys,
-                                                                                      torchcodec_is):
+@pytest.mark.parametrize("command", ["cache build", "train"])
+def test_a_run_with_an_unusable_decoder_stops_in_one_line_before_touching_out(toy_dir, tmp_path, capsys,
+                                                                              torchcodec_is, command):
     torchcodec_is(NO_FFMPEG)
     out = tmp_path / "c"
-    argv = ["cache", "build", "tiny", *tiny_overrides(toy_dir, **{"data.decoder": "torchcodec"}), "--out", str(out)]
+    argv = [*command.split(), "tiny", *tiny_overrides(toy_dir, **{"data.decoder": "torchcodec"}), "--out", str(out)]
     capsys.readouterr()
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"error: data.decoder=torchcodec: {NO_FFMPEG}; {decoder_choice.INSTALL_TORCHCODEC}, or set " \
                   "data.decoder=pyav"
     assert not out.exists()
+
+
+def test_loader_workers_get_the_decoder_and_nvdec_workers_are_spawned():
+    choice = DecoderChoice("torchcodec", "cuda")
+    spawned = decoder_choice.decoding_workers(choice, num_workers=2)
+    assert spawned["multiprocessing_context"] == "spawn"
+    before = decoder_choice.current_decoder()
+    try:
+        spawned["worker_init_fn"](0)   # what a fresh worker runs first
+        assert decoder_choice.current_decoder() == choice
+    finally:
+        decoder_choice.use_decoder(before)
+    forked = decoder_choice.decoding_workers(DecoderChoice("torchcodec", "cpu"), num_workers=2)
+    assert forked["multiprocessing_context"] is None   # a forked worker inherits the choice
 
 
 def test_read_video_asks_the_chosen_decoder_and_reads_with_pyav_what_it_leaves(tmp_path, monkeypatch):

@@ -80,6 +80,15 @@ def test_a_killed_build_resumes_without_redoing_finished_shards(toy_dir, tmp_pat
     assert files(killed) == files(tmp_path / "straight")   # byte for byte
 
 
+def test_a_build_that_resizes_another_way_does_not_resume_the_folder(toy_dir, tmp_path, monkeypatch):
+    cfg = config(toy_dir)
+    build_cache(cfg, tmp_path / "c", shard_size=8, log=quiet)
+    assert FeatureCache(tmp_path / "c").manifest["layout"]["decode"]["resize"] == "uint8-bilinear-antialias"
+    monkeypatch.setattr("videodit.data.pixels.RESIZE_METHOD", "float-bilinear")   # as the float path resized
+    with pytest.raises(UserError, match="holds a cache of another build .differs in: layout"):
+        build_cache(cfg, tmp_path / "c", shard_size=8, log=quiet)
+
+
 def test_torchrun_build_equals_a_one_process_build(toy_dir, tmp_path):
     args = tiny_overrides(toy_dir)
     assert main(["cache", "build", "tiny", *args, "--out", str(tmp_path / "one"), "--shard-size", "8"]) == 0

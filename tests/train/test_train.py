@@ -21,7 +21,9 @@ def test_train_writes_the_run_folder(toy_dir, tmp_path):
     assert (run / "config.yaml").is_file() and (run / "run_info.json").is_file()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert {"step", "epoch", "loss", "lr", "grad_norm", "samples_per_s"} <= records[0].keys()
+    assert {"step", "epoch", "loss", "lr", "grad_norm", "samples_per_s", "data_wait"} <= records[0].keys()
+    assert all(0 <= r["data_wait"] <= 1 for r in records)   # share of the time the loop waited for a batch
+    assert records[0]["data_wait"] > 0                      # step 1 waited for the first batch to be decoded
     assert any((run / "tensorboard").iterdir())
     ckpt = run / "checkpoints" / "step-0000004"
     assert set(load_file(str(ckpt / "model.safetensors"))) == set(load_file(str(ckpt / "ema.safetensors")))

@@ -64,6 +64,15 @@ def use_decoder_in_worker(choice: DecoderChoice, worker_id: int) -> None:
     use_decoder(choice)
 
 
+def decoding_workers(decoder: DecoderChoice, num_workers: int) -> dict:
+    """DataLoader arguments that give its workers ``decoder``. CUDA cannot start in a forked child
+    of a process that uses it, so NVDEC workers are spawned, and a spawned worker is told the
+    choice (a forked one inherits it)."""
+    spawn = decoder.device == "cuda" and num_workers > 0
+    return {"multiprocessing_context": "spawn" if spawn else None,
+            "worker_init_fn": functools.partial(use_decoder_in_worker, decoder)}
+
+
 @functools.lru_cache(maxsize=None)
 def torchcodec_problem() -> str | None:
     """Why torchcodec cannot decode videos in this process (one phrase), or None when it can.

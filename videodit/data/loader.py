@@ -13,6 +13,7 @@ from videodit.config import DataConfig
 from videodit.data import shared_slots
 from videodit.data.buckets.plan import BucketPlan
 from videodit.data.dataset import VideoDataset, collate
+from videodit.data.decoder_choice import decoding_workers, resolve_decoder, use_decoder
 from videodit.data.in_flight import prefetch_factor
 from videodit.data.metadata import Metadata, read_metadata
 from videodit.data.sampler import BucketBatchSampler
@@ -29,14 +30,19 @@ class TrainData:
 
 
 def build_training_data(data: DataConfig, *, batch_size: int, seed: int, dp_rank: int = 0,
-                        dp_size: int = 1, pin_memory: bool = False) -> TrainData:
+                        dp_size: int = 1, pin_memory: bool = False, notice=print) -> TrainData:
     """``pin_memory`` (on GPUs): the loader hands over batches in page-locked memory, so that
     their host-to-device copy is asynchronous (``non_blocking``); with workers a thread of the
     loader pins each batch while the previous step runs.
 
     Workers stay for the whole run (``persistent_workers``): each epoch's iteration reads the
     sampler's position afresh in this process (``Trainer.batches`` sets it before iterating), so
-    only the keys travel to the workers; the workers hold nothing of the epoch."""
+    only the keys travel to the workers; the workers hold nothing of the epoch.
+
+    ``data.decoder`` is resolved first (a one-line error before any file is read) and becomes
+    this process's decoder, for validation too; ``notice`` prints why ``auto`` fell back."""
+    decoder = resolve_decoder(data.decoder, data.decode_device, notice=notice)
+    use_decoder(decoder)
     meta = read_metadata(data.csv, bad_rows=data.bad_rows, cache=data.metadata_cache, progress=True)
     plan = BucketPlan(meta, data, batch_size, seed)
     dataset = VideoDataset(meta, plan, data.frame_interval, seed=seed, max_pixels=data.max_pixels)
@@ -54,7 +60,8 @@ def build_training_data(data: DataConfig, *, batch_size: int, seed: int, dp_rank
         # Per worker: its batches in flight, the one the pin thread or the step holds, one spare.
         dataset.slots = shared_slots.SlotBoard(data.num_workers, keep=prefetch + 2)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=data.num_workers,
-                        persistent_workers=data.num_workers > 0, pin_memory=pin_memory, prefetch_factor=prefetch)
+                        persistent_workers=data.num_workers > 0, pin_memory=pin_memory, prefetch_factor=prefetch,
+                        **decoding_workers(decoder, data.num_workers))
     return TrainData(meta, plan, dataset, sampler, loader)
 
 

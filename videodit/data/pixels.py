@@ -33,6 +33,9 @@ import torch.nn.functional as F
 RESIZE_TOLERANCE = 2 / 255 * 1.01
 
 _RESIZE_FRAMES = 4   # frames per resize call (crop_resize_uint8)
+# How the host resizes, as a feature cache's manifest records it: a cache resumed by a build that
+# resized another way would mix shards within a level of each other, silently.
+RESIZE_METHOD = "uint8-bilinear-antialias"
 
 
 def cover_size(h: int, w: int, height: int, width: int) -> tuple[int, int, float]:

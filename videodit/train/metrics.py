@@ -87,23 +87,27 @@ class MetricsLogger:
 
 
 class Throughput:
-    """Samples and model FLOPs per second over the steps since the last reading."""
+    """Samples and model FLOPs per second over the steps since the last reading, and the share of
+    that time the loop sat waiting for its next batch (the device idles then: a step ends on the
+    loss read back, so nothing is queued while the loop waits)."""
 
     def __init__(self):
         self._start = time.perf_counter()
         self._samples = 0
         self._flops = 0.0
+        self._waited = 0.0
 
-    def add(self, samples: int, flops: float = 0.0) -> None:
+    def add(self, samples: int, flops: float = 0.0, waited: float = 0.0) -> None:
         self._samples += samples
         self._flops += flops
+        self._waited += waited
 
-    def read(self) -> tuple[float, float]:
-        """(samples/s, FLOP/s) since the last reading."""
+    def read(self) -> tuple[float, float, float]:
+        """(samples/s, FLOP/s, fraction of the time spent waiting for data) since the last reading."""
         now = time.perf_counter()
         elapsed = max(now - self._start, 1e-9)
-        rates = self._samples / elapsed, self._flops / elapsed
-        self._start, self._samples, self._flops = now, 0, 0.0
+        rates = self._samples / elapsed, self._flops / elapsed, min(1.0, self._waited / elapsed)
+        self._start, self._samples, self._flops, self._waited = now, 0, 0.0, 0.0
         return rates
 
 

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import math
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -93,7 +94,8 @@ class Trainer:
             ensure_toy_data(cfg)
             self.data = build_training_data(cfg.data, batch_size=tc.batch_size, seed=tc.seed,
                                             dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp_size,
-                                            pin_memory=self.device.type == "cuda")
+                                            pin_memory=self.device.type == "cuda",
+                                            notice=lambda line: self.is_main and print(line, flush=True))
         self.meta, self.sampler = self.data.meta, self.data.sampler
         self.bad_files = BadFileGuard(cfg.data.max_bad_fraction)
 
@@ -202,11 +204,13 @@ class Trainer:
         try:
             with StopSignals() as stop:
                 while progress.step < tc.max_steps and not stopping:
+                    waiting = time.perf_counter()
                     with stop.waiting_for_data():   # a stop signal here ends the run at once
                         micro_batches = [next(batches) for _ in range(tc.grad_accum)]
+                    waited = time.perf_counter() - waiting
                     loss, grad_norm = self.train_step(micro_batches)
                     progress.step += 1
-                    throughput.add(sum(len(b) for b in micro_batches), sum(map(self.model_flops, micro_batches)))
+                    throughput.add(sum(len(b) for b in micro_batches), sum(map(self.model_flops, micro_batches)), waited)
                     bar.update(1)
                     if progress.step % tc.log_every == 0 or progress.step == tc.max_steps:
                         last = {"epoch": progress.epoch, "loss": loss, "lr": last_lr(self.scheduler),
@@ -388,10 +392,11 @@ class Trainer:
         """samples/s over all ranks, and per device the achieved model TFLOP/s and the MFU
         (where the device's peak is known). Both rates are this rank's, averaged over ranks:
         ranks of one sequence/tensor/pipeline group share a batch and its FLOPs."""
-        samples, flops = throughput.read()
-        samples, flops = self.ctx.mean(samples), self.ctx.mean(flops)
+        samples, flops, waiting = throughput.read()
+        samples, flops, waiting = self.ctx.mean(samples), self.ctx.mean(flops), self.ctx.mean(waiting)
         groups = self.ctx.world_size // self.ctx.dp_size   # ranks that split one batch's work
-        speed = {"samples_per_s": round(samples * self.ctx.dp_size, 2), "tflops": _significant(flops / groups / 1e12)}
+        speed = {"samples_per_s": round(samples * self.ctx.dp_size, 2), "tflops": _significant(flops / groups / 1e12),
+                 "data_wait": round(waiting, 3)}
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         peak = peak_tflops(name, self.cfg.train.peak_tflops)
         if peak:

@@ -167,11 +167,13 @@ def bucket_layout(data: DataConfig, buckets) -> dict:
     entries = None
     if raw is not None:
         entries = [[e.resolution, e.num_frames, e.keep_prob, e.frame_prob] for e in parse_bucket_config(raw).entries]
+    from videodit.data.pixels import RESIZE_METHOD
     from videodit.data.video import SHRINK_ABOVE, SHRINK_TO
 
-    # How frames were decoded: a build resumed with another bound or shrink rule would mix
-    # shards decoded two ways (same_build compares the whole manifest).
-    decode = {"max_pixels": data.max_pixels, "shrink_above": SHRINK_ABOVE, "shrink_to": SHRINK_TO}
+    # How frames were decoded and resized: a build resumed with another bound, shrink rule or
+    # resize would mix shards made two ways (same_build compares the whole manifest).
+    decode = {"max_pixels": data.max_pixels, "shrink_above": SHRINK_ABOVE, "shrink_to": SHRINK_TO,
+              "resize": RESIZE_METHOD}
     return {"buckets": [[b.resolution, b.num_frames, b.ratio, b.height, b.width] for b in buckets],
             "keep": entries, "frame_interval": data.frame_interval, "decode": decode}
 

@@ -104,7 +104,8 @@ def build_cached_training_data(cfg: Config, *, batch_size: int, seed: int, dp_ra
                         f"(`videodit cache info {cache.folder}` shows the samples per bucket)")
     vae, text = CachedVAE(cache.manifest), CachedTextEncoder(cache.manifest)
     loader = DataLoader(CachedDataset(cache), batch_sampler=sampler, collate_fn=Collate(text.max_length, text.dim),
-                        num_workers=cfg.data.num_workers, persistent_workers=False, pin_memory=pin_memory)
+                        num_workers=cfg.data.num_workers, persistent_workers=cfg.data.num_workers > 0,
+                        pin_memory=pin_memory)
     return CachedTrainData(CacheSummary(cache), plan, loader.dataset, sampler, loader, vae, text)
 
 
