@@ -183,7 +183,7 @@ class DataConfig:
     max_pixels: int = opt(MAX_PIXELS, "largest decoded frame (height x width) a clip or image may have: "
                           "larger ones are skipped and reported like unreadable files, before their frames are "
                           "decoded (a crafted 16000x16000 clip would need ~12 GB)", min=1)
-    decoder: str = opt("auto", "video decoder of videodit cache build: auto (torchcodec where it loads, else "
+    decoder: str = opt("auto", "video decoder of training and videodit cache build: auto (torchcodec where it loads, else "
                        "PyAV), pyav, or torchcodec (pip install videodit[torchcodec], plus FFmpeg 4-8 shared "
                        "libraries); both give the same frames, and files torchcodec cannot read exactly are read by "
                        "PyAV",
