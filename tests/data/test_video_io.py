@@ -196,6 +196,19 @@ def test_indices_give_exactly_the_frames_of_a_full_decode(tmp_path, keyint, pts,
     np.testing.assert_array_equal(got, full[[total - 1, 0]])
 
 
+def test_scratch_reads_give_the_same_frames_in_one_reused_buffer(tmp_path):
+    path = tmp_path / "clip.mp4"
+    encode_h264(path, moving_frames(40, 32, 48), keyint=8)
+    full, _ = read_video(path)
+    first, _ = read_video(path, indices=[3, 4, 5], scratch=True)
+    np.testing.assert_array_equal(first, full[[3, 4, 5]])
+    second, _ = read_video(path, indices=[30, 31], scratch=True)
+    np.testing.assert_array_equal(second, full[[30, 31]])
+    assert np.shares_memory(first, second)    # no fresh pages per clip: the dataset copies out at once
+    kept, _ = read_video(path, indices=[3, 4, 5])
+    assert not np.shares_memory(kept, second)   # without scratch a read owns its frames
+
+
 def test_a_window_decodes_only_from_the_keyframe_before_it_to_its_last_frame(tmp_path, window_path, decoder):
     pristine, damaged = tmp_path / "pristine.mp4", tmp_path / "damaged.mp4"
     encode_h264(pristine, moving_frames(64, 32, 48), keyint=8, bframes=0)

@@ -217,7 +217,7 @@ class VideoDataset(Dataset):
         if height * width > self.max_pixels:   # the CSV's size: not even opened
             raise FrameTooLarge(path, width, height, self.max_pixels, where=", by the CSV")
         frames, _ = read_video(path, indices=pick, threaded=self._threaded(index), max_pixels=self.max_pixels,
-                               fit=(shape.height, shape.width))
+                               fit=(shape.height, shape.width), scratch=True)   # resized into ``out`` at once
         return {
             "video": crop_resize_uint8(frames, shape.height, shape.width, out),
             "text": self.meta.texts[index],
