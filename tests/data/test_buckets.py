@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import yaml
@@ -77,6 +80,8 @@ def test_tables_are_ascending_with_opensora_sizes():
         keys = [float(k) for k in table]
         assert keys == sorted(keys) and len(set(keys)) == len(keys)
         assert all(k == f"{float(k):.2f}" for k in table)
+        if name in OPENSORA2_TABLES:   # test_opensora2_tables_are_its_own
+            continue
         if name.endswith("px"):   # videodit's small tables: N*N pixels, sides multiples of 4
             side = int(name[:-2])
             assert table["1.00"] == (side, side) and len(table) == 5
@@ -85,6 +90,20 @@ def test_tables_are_ascending_with_opensora_sizes():
             assert len(table) == 5
         else:
             assert len(table) == (40 if name in ("256", "512", "1024", "2048", "2880") else 17)
+
+
+OPENSORA2_TABLES = json.loads((Path(__file__).parents[1] / "fixtures/opensora2/aspect_tables.json").read_text())
+
+
+def test_opensora2_tables_are_its_own():
+    """Open-Sora 2.0's bucket_config names (256px, 768px, ...) give the sizes its own aspect.py builds
+    (scripts/make_opensora2_bucket_fixture.py), keyed by the named ratio it picks a clip's by."""
+    for name, table in OPENSORA2_TABLES.items():
+        assert ASPECT_RATIOS[name] == {key: tuple(hw) for key, hw in table.items()}, name
+        side = int(name.split("px")[0])
+        assert RESOLUTION_PIXELS[name] == side * side   # what the 0.8 criterion compares a clip with
+        step = 32 if name.endswith("d32") else 16
+        assert all(h % step == 0 and w % step == 0 for h, w in ASPECT_RATIOS[name].values())
 
 
 # ------------------------------------------------------------------- assignment rules

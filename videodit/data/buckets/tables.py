@@ -2,7 +2,8 @@
 
 Open-Sora 1.2's tables (some built from a formula, some hand-edited as shipped), PixArt's
 tables that Open-Sora reuses, videodit's own small "Npx" tables for CPU and toy runs, and
-Wan 2.1's sizes ("wan480p": 832x480, "wan720p": 1280x720, either way up).
+Wan 2.1's sizes ("wan480p": 832x480, "wan720p": 1280x720, either way up), and Open-Sora 2.0's
+tables ("256px", "512px", "768px", "1024px"; "768px-d32" for its high-compression autoencoder).
 Also Open-Sora 1.2's stage-1 ``bucket_config``, the reference workload.
 """
 
@@ -72,6 +73,8 @@ RESOLUTION_NAMES: tuple[str, ...] = (
     "16px", "24px", "32px", "48px", "64px", "96px", "128px",
     # Wan 2.1's sizes (not in Open-Sora; see _wan_table).
     "wan480p", "wan720p",
+    # Open-Sora 2.0's (see _opensora2_table).
+    "256px", "512px", "768px", "1024px", "768px-d32",
 )
 
 # Aspect ratios of the small "Npx" tables: the common video and photo shapes.
@@ -140,11 +143,50 @@ def _wan_table(name: str) -> dict[str, tuple[int, int]]:
     return dict(sorted((f"{a / b:.2f}", (a, b)) for a, b in sizes))
 
 
+# Open-Sora 2.0's width:height list (opensora/datasets/aspect.py ASPECT_RATIO_LD_LIST), in its order.
+_OPENSORA2_RATIOS: tuple[str, ...] = ("2.39:1", "2:1", "16:9", "1.85:1", "9:16", "5:8", "3:2", "4:3", "1:1")
+# name -> (side: the table has side x side pixels, D: sides are multiples of D, the autoencoder's
+# spatial compression x the patch; Open-Sora sets D with ae_spatial_compression, 32 for the
+# high-compression DC-AE).
+_OPENSORA2_NAMES: dict[str, tuple[int, int]] = {"256px": (256, 16), "512px": (512, 16), "768px": (768, 16),
+                                                "1024px": (1024, 16), "768px-d32": (768, 32)}
+
+
+def _opensora2_table(name: str) -> dict[str, tuple[int, int]]:
+    """Open-Sora 2.0's training table (``get_aspect_ratios_dict(training=True)``): per width:height,
+    sides that are multiples of D near the pixel count, nudged one step of D where that comes
+    closer to it, repeats dropped, then each shape turned upright. Keyed like the others by H/W,
+    that of the *named* ratio (Open-Sora picks a clip's closest name, not its closest shape: "16:9"
+    at 256px is 192x336); a turned shape whose name exists replaces it, as Open-Sora's dict update
+    does."""
+    side, step = _OPENSORA2_NAMES[name]
+    total = side * side
+    by_ratio: dict[str, tuple[int, int]] = {}
+    upright: dict[str, tuple[int, int]] = {}
+    for ratio in _OPENSORA2_RATIOS:
+        width_part, height_part = map(float, ratio.split(":"))
+        width = int(math.sqrt(total * (width_part / height_part)) // step) * step
+        height = int((total / width) // step) * step
+        best = abs(height * width - total)
+        for h, w in ((height - step, width), (height + step, width), (height, width - step), (height, width + step)):
+            if abs(h * w - total) < best:
+                height, width, best = h, w, abs(h * w - total)
+        if (height, width) not in by_ratio.values():
+            by_ratio[ratio] = (height, width)
+            upright[":".join(ratio.split(":")[::-1])] = (width, height)
+    by_ratio.update(upright)
+    named = {f"{float(ratio.split(':')[1]) / float(ratio.split(':')[0]):.2f}": hw for ratio, hw in by_ratio.items()}
+    return dict(sorted(named.items(), key=lambda item: float(item[0])))
+
+
 def _build_tables() -> tuple[dict[str, int], dict[str, dict[str, tuple[int, int]]]]:
     pixels: dict[str, int] = {}
     tables: dict[str, dict[str, tuple[int, int]]] = {}
     for name in RESOLUTION_NAMES:
-        if name.endswith("px"):
+        if name in _OPENSORA2_NAMES:
+            side = _OPENSORA2_NAMES[name][0]
+            pixels[name], tables[name] = side * side, _opensora2_table(name)
+        elif name.endswith("px"):
             side = int(name[:-2])
             pixels[name], tables[name] = side * side, _small_table(side)
         elif name in _WAN_SIZES:
