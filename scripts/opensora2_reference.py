@@ -150,26 +150,32 @@ class _ShellFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-SHELLED = {"colossalai", "tensornvme", "mmengine", "wandb", "flash_attn_interface_absent"}
+SHELLED = {"colossalai", "tensornvme", "mmengine", "wandb"}
+
+
+def _module(name: str) -> types.ModuleType:
+    """A stand-in module with a spec: libraries that probe ``importlib.util.find_spec`` (transformers
+    does, for flash_attn) need one."""
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    return module
 
 
 def install_stubs() -> None:
     """Put the stand-ins into ``sys.modules`` (idempotent)."""
     if "flash_attn" in sys.modules and getattr(sys.modules["flash_attn"], "_videodit_stub", False):
         return
-    flash = types.ModuleType("flash_attn")
+    flash = _module("flash_attn")
     flash._videodit_stub = True
     flash.flash_attn_func = _flash_attn_func
-    interface = types.ModuleType("flash_attn.flash_attn_interface")
+    interface = _module("flash_attn.flash_attn_interface")
     for name in ("_flash_attn_forward", "_flash_attn_backward", "flash_attn_func"):
         setattr(interface, name, _flash_attn_func)
     flash.flash_attn_interface = interface
     sys.modules["flash_attn"], sys.modules["flash_attn.flash_attn_interface"] = flash, interface
 
-    liger = types.ModuleType("liger_kernel")
-    ops = types.ModuleType("liger_kernel.ops")
-    rope = types.ModuleType("liger_kernel.ops.rope")
-    rms = types.ModuleType("liger_kernel.ops.rms_norm")
+    liger, ops = _module("liger_kernel"), _module("liger_kernel.ops")
+    rope, rms = _module("liger_kernel.ops.rope"), _module("liger_kernel.ops.rms_norm")
     rope.LigerRopeFunction, rms.LigerRMSNormFunction = LigerRopeFunction, LigerRMSNormFunction
     liger.ops, ops.rope, ops.rms_norm = ops, rope, rms
     sys.modules.update({"liger_kernel": liger, "liger_kernel.ops": ops, "liger_kernel.ops.rope": rope,
