@@ -288,6 +288,10 @@ def test_toy_encoder_is_reproducible_and_distinguishes_captions():
     swapped, _ = ToyTextEncoder().encode(["red a circle moving left"])
     assert not torch.allclose(swapped[0], emb_a[0])
     assert not torch.allclose(ToyTextEncoder(seed=1).encode(CAPTIONS)[0], emb_a)
+    # On a GPU the trainer keeps the encoder in bf16; its features still come out float32, as
+    # every encoder's do (the fp32 model of end-of-run samples takes them without autocast).
+    half, _ = ToyTextEncoder().to(torch.bfloat16).encode(CAPTIONS)
+    assert half.dtype == torch.float32 and torch.allclose(half, emb_a, atol=1e-2)
 
 
 def test_toy_encoder_unknown_words_and_truncation():

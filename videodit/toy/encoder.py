@@ -79,4 +79,4 @@ class ToyTextEncoder(FrozenTextEncoder):
         ids, mask = self.token_ids(captions)
         ids, mask = ids.to(self.token_table.device), mask.to(self.token_table.device)
         embeddings = self.token_table[ids] + self.position_table[None]
-        return embeddings * mask[..., None], mask
+        return (embeddings * mask[..., None]).float(), mask   # float32 out, as every encoder (bf16 tables on GPUs)
