@@ -24,6 +24,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
+from safetensors.torch import save as save_safetensors
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
@@ -35,9 +36,9 @@ from videodit.data.decoder_choice import current_decoder, decoding_workers, reso
 from videodit.data.feature_cache import conditions
 from videodit.data.feature_cache.background import ShardWriterThread
 from videodit.data.feature_cache.format import (DTYPES, FAILED, FORMAT, INDEX, LOCK, MANIFEST, MAX_FRAMES,
-                                                SHARDS, VALIDATION, VERSION, bucket_layout, encoder_identity,
-                                                jsonable, read_manifest, remove_leftovers, same_build, shard_name,
-                                                write_manifest)
+                                                SHARDS, VALIDATION, VERSION, atomic_write_bytes, bucket_layout,
+                                                encoder_identity, jsonable, read_manifest, remove_leftovers,
+                                                same_build, shard_name, write_manifest)
 from videodit.data.feature_cache.lock import BuildLock
 from videodit.data.feature_cache.reader import index_problem
 from videodit.data.feature_cache.writer import (Items, ShardWriter, finish_index, part_problem, plan_items,
@@ -68,7 +69,8 @@ class Encoders:
 def _wanted_conditions(cfg: Config, vae, text, image) -> tuple[str, ...]:
     """What the config's model takes from each clip's first frame, asked of its family's spec."""
     geometry = model_geometry(cfg, vae.latent_channels, text.dim)
-    return conditions.wanted(get_spec(cfg.model.family).takes_first_frame(geometry), image is not None)
+    return conditions.wanted(get_spec(cfg.model.family).takes_first_frame(geometry), image is not None,
+                             pooled=getattr(text, "pooled_dim", None) is not None)
 
 
 @dataclass
@@ -113,7 +115,10 @@ def build_cache(cfg: Config, out: str | Path, *, views: int = 1, shard_size: int
         def prepare() -> list[str]:
             _refuse_foreign(out)   # before the lock: a folder of other files gets no .lock written into it
             lock.acquire()
-            return [_prepare(p.folder, p.manifest) for p in parts]
+            lines = [_prepare(p.folder, p.manifest) for p in parts]
+            if conditions.POOLED in encoders.conditions:
+                _write_empty_caption(out, encoders)
+            return lines
 
         for line in _on_main(prepare):
             say(line, flush=True)
@@ -186,7 +191,8 @@ def _part(cfg: Config, folder: Path, csv: str, option: str, views: int, limit: i
         "text_geometry": {"dim": text.dim, "max_length": text.max_length},
         "items": len(items), "items_digest": items.digest(), "shard_size": shard_size,
         "shards": shard_count(len(items), shard_size),
-        **conditions.manifest_entries(encoders.conditions, *_image_geometry(encoders, plan.buckets[0])),
+        **conditions.manifest_entries(encoders.conditions, *_image_geometry(encoders, plan.buckets[0]),
+                                      pooled_dim=getattr(text, "pooled_dim", None)),
     })
     return Part(folder, meta, plan, items, manifest)
 
@@ -199,6 +205,20 @@ def _image_geometry(encoders: Encoders, bucket) -> tuple[int | None, int | None]
     frame = torch.zeros(1, 3, 1, bucket.height, bucket.width, device=encoders.device)
     features = first_frame_features(encoders.image, frame)
     return int(features.shape[1]), int(features.shape[2])
+
+
+def _write_empty_caption(folder: Path, encoders: Encoders) -> None:
+    """The encoding of "" (fp32) that caption dropout of a pooled text encoder trains on, encoded
+    as the trainer encodes it; kept when a resumed build finds it."""
+    if (folder / conditions.EMPTY_CAPTION).is_file():
+        return
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if encoders.in_bf16 else contextlib.nullcontext()
+    with torch.no_grad(), autocast:
+        y, mask = encoders.text.encode([""])
+        pooled = encoders.text.encode_pooled([""])
+    tensors = {"y": y.float().cpu().contiguous(), "mask": mask.cpu().contiguous(),
+               "pooled": pooled.float().cpu().contiguous()}
+    atomic_write_bytes(folder / conditions.EMPTY_CAPTION, save_safetensors(tensors))
 
 
 def _refuse_foreign(folder: Path) -> None:
@@ -286,7 +306,7 @@ def _encode_shards(cfg: Config, part: Part, encoders: Encoders, device: torch.de
     if not groups:
         return 0
     dataset = VideoDataset(part.meta, part.plan, cfg.data.frame_interval, seed=cfg.train.seed,
-                           max_pixels=cfg.data.max_pixels)
+                           max_pixels=cfg.data.max_pixels, caption_suffix=cfg.data.caption_suffix)
     decode = _Decode(dataset, part.items)
     # Workers decode while this process encodes.
     loader = DataLoader(decode, batch_sampler=[g for _, g in groups], collate_fn=list,
@@ -316,6 +336,8 @@ def _encode_shards(cfg: Config, part: Part, encoders: Encoders, device: torch.de
                     latents = encoders.vae.encode(video).float()
                     y, mask = encoders.text.encode([s["text"] for _, s in good])
                     extra = _first_frame_conditions(encoders, video)
+                    if conditions.POOLED in encoders.conditions:
+                        extra[conditions.POOLED] = encoders.text.encode_pooled([s["text"] for _, s in good]).float()
                 for j, (p, sample) in enumerate(good):
                     writer.add(int(items.clip[p]), int(items.view[p]), int(items.bucket[p]), float(sample["fps"]),
                                latents[j], y[j].float(), mask[j], {name: t[j] for name, t in extra.items()})

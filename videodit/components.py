@@ -14,22 +14,28 @@ from videodit.models.vae import build_vae
 from videodit.toy.encoder import TOY_MAX_LENGTH, ToyTextEncoder
 
 OWN_TEXT_KINDS = ("toy", "transformers")   # built here; the families bring the others
+UNMASKED_TEXT_KINDS = ("t5-clip",)         # text.mask=false: Open-Sora 2.0's T5, run without its mask
+POOLED_TEXT_KINDS = ("t5-clip",)           # with a pooled vector beside the tokens (Open-Sora 2.0's CLIP-L)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}   # vae.dtype, text.dtype
 
 
 def build_text_encoder(kind: str, path: str | None = None, max_length: int | None = None, dim: int = 64,
-                       dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+                       dtype: torch.dtype = torch.float32, mask: bool = True) -> torch.nn.Module:
     """A frozen text encoder: ``toy`` (weight-free, ``dim`` wide; ``path`` ignored),
-    ``transformers`` (the local folder ``path``; ``dim`` comes from its config) or ``umt5`` (Wan's
-    umT5-XXL, run with its mask and zero-padded as Wan does). ``max_length=None`` means 8 tokens
-    for the toy encoder and 120 for transformers models."""
+    ``transformers`` (the local folder ``path``; ``dim`` comes from its config), ``umt5`` (Wan's
+    umT5-XXL, run with its mask and zero-padded as Wan does) or ``t5-clip`` (Open-Sora 2.0's T5 and
+    CLIP pooled vector; ``mask=False`` runs T5 unmasked as Open-Sora does). ``max_length=None``
+    means 8 tokens for the toy encoder and 120 for transformers models."""
+    if not mask and kind not in UNMASKED_TEXT_KINDS:
+        raise UserError(f"text.mask=false (Open-Sora 2.0's unmasked T5) is for text.kind="
+                        f"{' or '.join(UNMASKED_TEXT_KINDS)}, not {kind!r}; set text.mask=true")
     if kind == "toy":
         return ToyTextEncoder(dim=dim, max_length=max_length or TOY_MAX_LENGTH)
     if kind == "transformers":
         return load_text_encoder(path, max_length=max_length, dtype=dtype)
     family = encoder_spec("text_kinds", kind)
     if family is not None:   # a family's own encoder (Wan's umT5): its spec builds it
-        return family.build_text_encoder(kind, path, max_length, dtype)
+        return family.build_text_encoder(kind, path, max_length, dtype, mask=mask)
     raise UserError(f"text.kind={kind!r} is not supported; choose one of: {', '.join(OWN_TEXT_KINDS + encoder_kinds('text_kinds'))}")
 
 
@@ -37,9 +43,10 @@ def build_encoders(cfg: Config, device: torch.device):
     """The frozen VAE and text encoder (no gradients, eval mode)."""
     vae = build_vae(cfg.vae.kind, path=cfg.vae.path, subfolder=cfg.vae.subfolder,
                     scaling_factor=cfg.vae.scaling_factor, micro_batch=cfg.vae.micro_batch,
-                    temporal_micro_batch=cfg.vae.temporal_micro_batch, dtype=DTYPES[cfg.vae.dtype])
+                    temporal_micro_batch=cfg.vae.temporal_micro_batch, dtype=DTYPES[cfg.vae.dtype],
+                    sample_posterior=cfg.vae.sample_posterior)
     text = build_text_encoder(cfg.text.kind, path=cfg.text.path, max_length=cfg.text.max_length,
-                              dim=cfg.text.dim, dtype=DTYPES[cfg.text.dtype])
+                              dim=cfg.text.dim, dtype=DTYPES[cfg.text.dtype], mask=cfg.text.mask)
     return vae.to(device), text.to(device)
 
 

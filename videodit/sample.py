@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import re
 import sys
@@ -15,7 +17,9 @@ import torch
 from videodit.components import first_frame_features, first_frame_given
 from videodit.data.prompts import prepare_prompts
 from videodit.data.video_write import write_video
-from videodit.diffusion import flow_unipc
+from videodit.diffusion import flow_unipc, opensora2_sampler
+from videodit.diffusion.opensora2_sampler import ThreeWayGuidance
+from videodit.diffusion.visual_condition import FrameRule, ReferenceCondition, reference_condition
 from videodit.diffusion.rectified_flow import RectifiedFlow
 from videodit.errors import UserError
 from videodit.models.families import get_spec, spec_of
@@ -29,19 +33,30 @@ Guidance = float | Callable[[torch.Tensor], float]   # a CFG scale, or one by ti
 def generate(model, vae, text, flow: RectifiedFlow, prompts: list[str], *, num_frames: int,
              height: int, width: int, steps: int, guidance: Guidance, fps: float, seed: int,
              device: torch.device, batch_size: int = 16, reference: torch.Tensor | None = None,
-             sampler: str = "euler", negative_prompt: str | None = None, image_encoder=None) -> np.ndarray:
+             sampler: str = "euler", negative_prompt: str | None = None, image_encoder=None,
+             three_way: ThreeWayGuidance | None = None, ref_mode: str = "i2v_head",
+             reference_end: torch.Tensor | None = None) -> np.ndarray:
     """Sample one clip per prompt: uint8 [N, T, H, W, 3]. ``reference``: pixel frames
     [3, T_ref, height, width] in [-1, 1] that open every clip (image-to-video, continuation).
     ``sampler``: euler or unipc (Wan's); ``negative_prompt``: CFG's unconditional branch for
     families that sample with one (Wan); ``image_encoder``: the reference frame's image features for a
     model that embeds them (Wan 2.1 I2V's CLIP), in both CFG branches as Wan does. Prompt k's noise depends only on (``seed``, k)
-    (:func:`prompt_noise`), not on the other prompts or the batch size."""
+    (:func:`prompt_noise`), not on the other prompts or the batch size. A model given frames as
+    input channels (``takes_condition``: Open-Sora 2.0's) samples with ``three_way`` guidance (its
+    text scale ``guidance``), ``reference`` (and ``reference_end``) giving frames as ``ref_mode`` says."""
     model.eval()
     clips = []
     t_lat, h_lat, w_lat = vae.latent_size(num_frames, height, width)
-    ratio = flow.shift_ratio(height, width, t_lat)
     spec = spec_of(model)
-    channels = image = None
+    ratio = flow.shift_ratio(height, width, t_lat, (h_lat, w_lat), spec.patch_size(model.geometry)[1])
+    channels = image = condition = None
+    if takes_condition(model):   # Open-Sora 2.0: the reference's frames enter as cond channels
+        three_way = three_way or ThreeWayGuidance(text=guidance)
+        if reference is not None:
+            end = None if reference_end is None else reference_end.to(device)
+            condition = reference_condition(ref_mode, t_lat, FrameRule.of(vae), lambda clip: vae.encode(clip.to(device)),
+                                            reference.to(device), end)
+        reference = None
     if spec.takes_first_frame(model.geometry):   # Wan i2v: the reference's first frame enters as channels
         if reference is None:
             raise UserError("this model generates from an image (an i2v model): give one with --ref IMAGE")
@@ -49,22 +64,36 @@ def generate(model, vae, text, flow: RectifiedFlow, prompts: list[str], *, num_f
         clip[:, :, 0] = reference[:, 0].to(device)
         channels, image, reference = first_frame_given(model, vae, clip), first_frame_features(image_encoder, clip), None
     given = None if reference is None else given_latents(model, vae, reference, t_lat, device)
-    negative = None if negative_prompt is None else text.encode([negative_prompt])
+    negative = negative_condition(text, negative_prompt)
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
         n = len(chunk)
         y, y_mask = text.encode(chunk)
+        pooled = text.encode_pooled(chunk)
         fps_t = torch.full((n,), float(fps), device=device)
         noise = torch.stack([prompt_noise((vae.latent_channels, t_lat, h_lat, w_lat), seed, start + i)
                              for i in range(n)]).to(device)
         latents = denoise(model, flow, noise, y, y_mask, steps=steps, guidance=guidance, ratio=ratio, fps=fps_t,
                           height=height, width=width, given=given, sampler=sampler, negative=negative,
                           channels=None if channels is None else channels.expand(n, *channels.shape[1:]),
-                          image=None if image is None else image.expand(n, *image.shape[1:]))
+                          image=None if image is None else image.expand(n, *image.shape[1:]), pooled=pooled,
+                          three_way=three_way, condition=condition)
         video = vae.decode(latents, num_frames)                      # [N, 3, T, H, W] in [-1, 1]
         frames = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
         clips.append(frames.permute(0, 2, 3, 4, 1).cpu().numpy())
     return np.concatenate(clips)
+
+
+def negative_condition(text, negative_prompt: str | None) -> tuple[torch.Tensor, ...] | None:
+    """The encoded negative prompt, (y, y_mask), or None without one. An encoder with a pooled
+    vector (Open-Sora 2.0's T5 + CLIP) always has one, "" unless set (Open-Sora's sampler encodes
+    "" for both unconditional branches, as its training drops captions to ""): (y, y_mask, pooled)."""
+    pooled_encoder = getattr(text, "pooled_dim", None) is not None
+    if negative_prompt is None and not pooled_encoder:
+        return None
+    prompt = [negative_prompt or ""]
+    y, y_mask = text.encode(prompt)
+    return (y, y_mask, text.encode_pooled(prompt)) if pooled_encoder else (y, y_mask)
 
 
 def prompt_noise(shape: tuple[int, ...], seed: int, index: int) -> torch.Tensor:
@@ -78,20 +107,26 @@ def denoise(model, flow: RectifiedFlow, noise: torch.Tensor, y: torch.Tensor, y_
             guidance: Guidance, ratio: float = 1.0, fps: torch.Tensor | None = None, height=None,
             width=None, given: "GivenFrames | None" = None, sampler: str = "euler",
             negative: tuple[torch.Tensor, torch.Tensor] | None = None,
-            channels: torch.Tensor | None = None, image: torch.Tensor | None = None) -> torch.Tensor:
+            channels: torch.Tensor | None = None, image: torch.Tensor | None = None,
+            pooled: torch.Tensor | None = None, three_way: ThreeWayGuidance | None = None,
+            condition: ReferenceCondition | None = None) -> torch.Tensor:
     """Latents from ``noise`` [N, C, T, H, W]: Euler steps (``sampler="unipc"``: Wan's UniPC, with
     ``ratio`` its shift) with classifier-free guidance (the unconditional branch is the family's:
     STDiT's learned null caption, or ``negative``, the encoded negative prompt). ``height``/``width``: the clip's pixel size, which Open-Sora's
     position table needs. ``given``: conditioning frames, kept as given at every step and marked
     for the model by ``x_mask``; ``channels``: the given first frame's input channels of an i2v
     model (``Conditions.given``) and ``image`` its image features (``Conditions.image``), both in
-    both CFG branches as Wan does."""
+    both CFG branches as Wan does; ``pooled``: the prompts' pooled caption vectors
+    (``Conditions.pooled``; with them ``negative`` is (y, y_mask, pooled), :func:`negative_condition`)."""
     spec = spec_of(model)
     n = noise.shape[0]
     keep = torch.zeros(n, dtype=torch.bool, device=noise.device)
     x_mask = None if given is None else given.x_mask.expand(n, -1)
-    cond = Conditions(y, y_mask, keep, fps, height, width, x_mask, image=image, given=channels)
+    cond = Conditions(y, y_mask, keep, fps, height, width, x_mask, image=image, given=channels, pooled=pooled)
     uncond = spec.unconditional(cond, negative)
+    if three_way is not None:
+        return denoise_three_way(model, flow, noise, cond, uncond, steps=steps, alpha=ratio, guidance=three_way,
+                                 condition=condition)
 
     def velocity(conditions):
         def v(x, t):
@@ -102,6 +137,30 @@ def denoise(model, flow: RectifiedFlow, noise: torch.Tensor, y: torch.Tensor, y_
     solve = flow_unipc.sample if sampler == "unipc" else flow.sample
     return solve(velocity(cond), noise, steps, ratio, guidance, velocity(uncond),
                  given=None if given is None else given.put_back)
+
+
+def takes_condition(model) -> bool:
+    """Whether a model takes given frames as input channels (Open-Sora 2.0's ``cond_in``)."""
+    return bool(getattr(getattr(model, "geometry", None), "cond_embed", False))
+
+
+def denoise_three_way(model, flow: RectifiedFlow, noise: torch.Tensor, cond: Conditions, uncond: Conditions, *,
+                      steps: int, alpha: float, guidance: ThreeWayGuidance,
+                      condition: ReferenceCondition | None = None) -> torch.Tensor:
+    """Open-Sora 2.0's sampler (``diffusion/opensora2_sampler.py``) over the branches [prompt and
+    given frames, frames only, neither]; with nothing given the last two are one (one call less)."""
+    spec = spec_of(model)
+    given = None if condition is None else condition.cond.to(noise.device).expand(noise.shape[0], -1, -1, -1, -1)
+    branches = [dataclasses.replace(cond, given=given), dataclasses.replace(uncond, given=given)]
+    if given is not None:
+        branches.append(dataclasses.replace(uncond, given=torch.zeros_like(given)))
+
+    def velocities(x, t):
+        v = [flow.model_velocity(model(*spec.model_inputs(x, t, c)).float(), x, t) for c in branches]
+        return v[0], v[1], v[-1]
+
+    x = opensora2_sampler.sample(velocities, noise.float(), steps, alpha, guidance)
+    return x if condition is None else condition.restore(x)
 
 
 @dataclass
@@ -136,9 +195,9 @@ def given_latents(model, vae, reference: torch.Tensor, latent_frames: int, devic
 
 
 def read_reference(path: str, frames: int | None, height: int, width: int,
-                   max_pixels: int | None = None) -> torch.Tensor:
-    """The first ``frames`` frames of an image or video file (all of an image), resized and
-    centre-cropped to ``height`` x ``width``: [3, T_ref, H, W] in [-1, 1].
+                   max_pixels: int | None = None, last: bool = False) -> torch.Tensor:
+    """The first (``last``: the last) ``frames`` frames of an image or video file (all of an image),
+    resized and centre-cropped to ``height`` x ``width``: [3, T_ref, H, W] in [-1, 1].
 
     A file whose frames (by its header) have more than ``max_pixels`` pixels (default: the
     default of ``data.max_pixels``) is refused before it is decoded; larger frames than needed
@@ -149,7 +208,8 @@ def read_reference(path: str, frames: int | None, height: int, width: int,
 
     limit = MAX_PIXELS if max_pixels is None else max_pixels
     try:
-        clip, _ = read_video(path, indices=(lambda total: list(range(min(frames or total, total)))),
+        clip, _ = read_video(path, indices=(lambda total: list(range(total))[-(frames or total):] if last
+                                            else list(range(min(frames or total, total)))),
                              max_pixels=limit, fit=(height, width))
     except FrameTooLarge as exc:
         size = f"is {exc.width}x{exc.height} (width x height), {exc.pixels} pixels" if exc.width else \
@@ -170,7 +230,7 @@ def trained_with_frame_masks(cfg, export_info: dict | None = None) -> bool:
     family says was trained with them (``ModelSpec.released_takes_given_frames``)."""
     from videodit.models.families import families
 
-    if cfg.diffusion.mask_ratios is not None:
+    if cfg.diffusion.mask_ratios is not None or cfg.diffusion.condition_config is not None:
         return True
     formats = [(export_info or {}).get("format")]
     if cfg.model.init_from:
@@ -302,10 +362,14 @@ class Pipeline:
     def __call__(self, prompts: list[str], *, num_frames: int | None = None, height: int | None = None,
                  width: int | None = None, steps: int | None = None, guidance: float | None = None,
                  fps: float | None = None, seed: int = 0, reference: str | None = None,
-                 reference_frames: int | None = None) -> np.ndarray:
+                 reference_frames: int | None = None, ref_mode: str | None = None, reference_end: str | None = None,
+                 image_guidance: float | None = None) -> np.ndarray:
         """Clips for ``prompts``; ``reference``: an image or video file whose first
         ``reference_frames`` frames (default: an image, the first frame for an image-to-video
-        model, or the first half of the clip) open them."""
+        model, or the first half of the clip) open them. A model given frames as input channels
+        (Open-Sora 2.0's) takes from it what ``ref_mode`` (default ``sample.ref_mode``) says, the
+        i2v_loop's last frame from ``reference_end`` if given, and guides with ``image_guidance``
+        (default ``sample.image_cfg``)."""
         sample = self.cfg.sample
         size = self.resolve(num_frames, height, width)
         steps = sample.steps if steps is None else steps
@@ -315,11 +379,20 @@ class Pipeline:
                             "must be 1 or more and guidance a finite number >= 0")
         if self.expert_guidance is not None and guidance is None:   # two experts: each its own scale
             scale = self.expert_guidance
-        prompts = prepare_prompts(prompts, sample.prompt_style, sample.aesthetic_score)
-        ref = None if reference is None else read_reference(
-            reference, reference_frames or (1 if self.image_model else max(1, size["num_frames"] // 2)),
-            size["height"], size["width"],
-            self.cfg.data.max_pixels)
+        prompts = prepare_prompts(prompts, sample.prompt_style, sample.aesthetic_score, fps=fps or sample.fps,
+                                  motion=sample.motion_score)
+        mode, ref_end, three_way = ref_mode or sample.ref_mode, None, None
+        if takes_condition(self.model):
+            three_way = ThreeWayGuidance(scale, sample.image_cfg if image_guidance is None else image_guidance,
+                                         sample.text_oscillation, sample.image_oscillation,
+                                         sample.image_cfg_ramp and mode.startswith("i2v"))
+        if reference is not None and takes_condition(self.model):
+            ref, ref_end = self._condition_reference(reference, reference_end, mode, size)
+        else:
+            ref = None if reference is None else read_reference(
+                reference, reference_frames or (1 if self.image_model else max(1, size["num_frames"] // 2)),
+                size["height"], size["width"],
+                self.cfg.data.max_pixels)
         if reference is not None and not self.frame_masks:
             print(f"warning: {self.checkpoint} was not trained with frame masks (its diffusion.mask_ratios is "
                   "unset), so it was never taught to continue given frames; the reference is kept as given but "
@@ -328,4 +401,16 @@ class Pipeline:
         return generate(self.model, self.vae, self.text, self.flow, prompts, **size, steps=steps,
                         guidance=scale, fps=fps or sample.fps, seed=seed, device=self.device, reference=ref,
                         sampler=sample.sampler, negative_prompt=sample.negative_prompt,
-                        image_encoder=self.image_encoder)
+                        image_encoder=self.image_encoder, three_way=three_way, ref_mode=mode, reference_end=ref_end)
+
+    def _condition_reference(self, path: str, end_path: str | None, mode: str, size: dict):
+        """(frames of ``path``, frames of ``end_path`` or None) that ``mode`` takes, as Open-Sora
+        2.0 reads its references: the first frame (head), the last (tail; the loop's end from
+        ``end_path`` or ``path``), the first / last 32 or 64 (+1 causal) frames (v2v)."""
+        read = functools.partial(read_reference, height=size["height"], width=size["width"],
+                                 max_pixels=self.cfg.data.max_pixels)
+        if mode.startswith("v2v"):
+            return read(path, FrameRule.of(self.vae).v2v_pixel_frames(mode), last="tail" in mode), None
+        if mode == "i2v_tail":
+            return read(end_path or path, 1, last=True), None
+        return read(path, 1), (read(end_path or path, 1, last=True) if mode == "i2v_loop" else None)

@@ -104,3 +104,18 @@ def test_offload_composes_with_block_swapping(toy_dir, tmp_path):
     assert_bitwise(train(trainer), want)
     assert input_offload_stats(trainer.model).offloaded == STEPS * 3
     assert block_swappers(trainer.model)[0].stats.unprefetched == 0
+
+
+def test_a_host_copy_keeps_the_layout_the_recompute_must_see():
+    """A checkpointed block's saved input may be a permuted view of its token input: its host copy
+    keeps those strides (ops choose kernels, and the order they save tensors in, by layout; a
+    contiguous copy made CUDA's recompute fail its metadata check). Memory that is not dense is
+    copied contiguous."""
+    from videodit.parallel.checkpoint_offload import host_like
+
+    x = torch.randn(2, 3, 5, 4)
+    permuted = x.permute(0, 2, 1, 3)
+    copy = host_like(permuted, pin=False).copy_(permuted)
+    assert copy.stride() == permuted.stride() and torch.equal(copy, permuted)
+    sliced = x[:, :, ::2]
+    assert host_like(sliced, pin=False).is_contiguous()

@@ -30,7 +30,8 @@ def cmd_ckpt_inspect(ns) -> int:
 # ``ckpt export --format`` values besides videodit's own, and what loads each.
 EXPORT_LOADERS = {"opensora": "Open-Sora's STDiT3.from_pretrained", "wan": "Wan's WanModel.from_pretrained",
                   "diffusers": "diffusers' WanTransformer3DModel.from_pretrained",
-                  "comfyui": "ComfyUI's Load Diffusion Model node, from ComfyUI/models/diffusion_models/"}
+                  "comfyui": "ComfyUI's Load Diffusion Model node, from ComfyUI/models/diffusion_models/",
+                  "opensora-v2": "Open-Sora 2.0's MMDiTModel with fused_qkv=False and use_liger_rope=True"}
 
 
 def cmd_ckpt_export(ns) -> int:
@@ -141,11 +142,12 @@ def register(sub) -> None:
                    "STDiT3 folder Open-Sora 1.2 loads (for models with model.position_embedding=opensora); wan / "
                    "diffusers: a Wan model as Wan's WanModel / diffusers' WanTransformer3DModel load it; "
                    "comfyui: a Wan model as one OUT/<OUT's name>.safetensors, Wan's names, for ComfyUI's Load "
-                   "Diffusion Model")
+                   "Diffusion Model; opensora-v2: an MMDiT as OUT/Open_Sora_v2.safetensors, Open-Sora 2.0's names "
+                   "and RoPE layout")
     q.set_defaults(func=cmd_ckpt_export)
     q = ksub.add_parser("import", help="convert released weights (Open-Sora 1.2 STDiT3: its folder, a training "
-                        "checkpoint or its ema.pt; Wan 2.1: its folder or a diffusers one) into a videodit model "
-                        "folder")
+                        "checkpoint or its ema.pt; Wan 2.1: its folder or a diffusers one; Open-Sora 2.0: "
+                        "Open_Sora_v2.safetensors or a training checkpoint) into a videodit model folder")
     q.add_argument("src")
     q.add_argument("out")
     q.add_argument("--ema", action="store_true", help="a training checkpoint's EMA weights (ema.pt)")

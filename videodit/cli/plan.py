@@ -131,10 +131,10 @@ def register(sub) -> None:
                        help="pick batch sizes with about equal FLOPs per step (capped by memory)")
         p.add_argument("--write-bucket-config", metavar="OUT.yaml", help="write the batch sizes as a bucket_config")
         p.add_argument("--latent", help="VAE geometry when the config's VAE is not known (vae.kind=opensora-v1.2, "
-                       "wan2.1 and wan2.2 are): opensora-v1.2, wan2.1, wan2.2 or C,FT,FS (channels, frames per "
-                       "latent frame, pixels per latent)")
-        p.add_argument("--caption", help="text encoder geometry when not known (text.kind=umt5 is: 4096 x "
-                       "text.max_length): CHANNELS,LENGTH (T5-XXL: 4096,300)")
+                       "wan2.1, wan2.2, hunyuan and opensora-dc-ae are): one of those names or C,FT,FS (channels, "
+                       "frames per latent frame, pixels per latent)")
+        p.add_argument("--caption", help="text encoder geometry when not known (text.kind=umt5 and t5-clip are: "
+                       "4096 x text.max_length): CHANNELS,LENGTH (T5-XXL: 4096,300)")
         p.add_argument("--encoder-mem", help="GPU memory of the frozen encoders (default: counted from their "
                        "weight files at vae.dtype / text.dtype)")
         p.add_argument("--encoders-cached", action="store_true", help="features are precomputed: no encoders on GPU")

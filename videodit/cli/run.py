@@ -59,7 +59,8 @@ def cmd_sample(ns) -> int:
                         "--height/--width, or --gif")
     try:
         clips = pipeline(prompts, **size, steps=ns.steps, guidance=ns.cfg, seed=ns.seed, reference=ns.ref,
-                         reference_frames=ns.ref_frames)
+                         reference_frames=ns.ref_frames, ref_mode=ns.ref_mode, reference_end=ns.ref_end,
+                         image_guidance=ns.image_cfg)
     except (MemoryError, RuntimeError) as exc:   # CUDA's OutOfMemoryError is a RuntimeError
         if not out_of_memory(exc):
             raise
@@ -121,6 +122,15 @@ def register(sub) -> None:
                    "or a video (continuation); needs a model trained with diffusion.mask_ratios or Open-Sora 1.2's")
     p.add_argument("--ref-frames", type=positive_int, help="frames of --ref to use (default: all of an image, the "
                    "first half of the clip's frames of a video)")
+    p.add_argument("--ref-mode", choices=("i2v_head", "i2v_tail", "i2v_loop", "v2v_head", "v2v_tail", "v2v_head_easy",
+                                          "v2v_tail_easy"),
+                   help="Open-Sora 2.0 models: what --ref gives (default: sample.ref_mode): its first frame opens the "
+                        "clip (i2v_head), its last ends it (i2v_tail), both (i2v_loop), its first / last 32 frames, "
+                        "33 with a causal VAE (v2v_head / v2v_tail), 64 / 65 (the _easy modes)")
+    p.add_argument("--ref-end", metavar="IMAGE_OR_CLIP", help="--ref-mode i2v_loop: the file whose last frame ends "
+                   "the clip (default: --ref's last frame)")
+    p.add_argument("--image-cfg", type=guidance, help="Open-Sora 2.0 models: the image scale of the three-way "
+                   "guidance, >= 0 (default: sample.image_cfg)")
     p.add_argument("--out", default="samples", help="output folder, or a .mp4/.gif file for one prompt")
     p.add_argument("--gif", action="store_true", help="write gif instead of mp4")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))

@@ -317,6 +317,7 @@ def _check_consistency(cfg: Config) -> None:
         raise UserError(f"samples are written as mp4, which needs an even height and width; got "
                         f"{sample_height}x{sample_width} (sample.height/width, else data.height/width): make them even")
     _check_experts(cfg)
+    _check_objective(cfg.diffusion)
     time_range = cfg.diffusion.timestep_range
     if time_range is not None and not time_range[0] < time_range[1]:
         raise UserError(f"diffusion.timestep_range={time_range} is empty: give [lo, hi] with lo < hi, e.g. [0.875, 1.0]")
@@ -331,6 +332,23 @@ def _check_consistency(cfg: Config) -> None:
     if cfg.text.kind == "transformers" and not cfg.text.path:
         raise UserError("text.path is required for text.kind=transformers: point it to a local "
                         "transformers encoder folder (nothing is downloaded)")
+
+
+def _check_objective(d) -> None:
+    """Open-Sora 2.0's shift rule and noise floor against the rest of ``diffusion.*``."""
+    if d.shift_rule == "opensora2" and d.constant_shift is not None:
+        raise UserError(f"diffusion.shift_rule=opensora2 shifts by the clip's size, diffusion.constant_shift="
+                        f"{d.constant_shift} by a constant: unset one of them")
+    if d.sigma_min and (d.prediction != "velocity" or d.loss_space != "velocity"):
+        raise UserError(f"diffusion.sigma_min={d.sigma_min} (Open-Sora 2.0's noise floor) is defined for velocity "
+                        "prediction and a velocity loss: set diffusion.prediction and diffusion.loss_space to "
+                        "velocity, or diffusion.sigma_min=0")
+    if d.condition_config is not None and d.mask_ratios is not None:
+        raise UserError("diffusion.condition_config (Open-Sora 2.0's conditioning) and diffusion.mask_ratios "
+                        "(Open-Sora 1.2's frame masks) are two ways to give frames: set one of them")
+    if d.no_i2v_ref_loss and d.condition_config is None:
+        raise UserError("diffusion.no_i2v_ref_loss leaves given frames of diffusion.condition_config's i2v modes out "
+                        "of the loss: set diffusion.condition_config too, or remove it")
 
 
 def _check_experts(cfg: Config) -> None:

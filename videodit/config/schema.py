@@ -50,10 +50,22 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                             patch_size=[1, 2, 2], expert_boundary=0.875),
     "wan2.2-i2v-a14b": dict(family="wan", depth=40, hidden_size=5120, num_heads=40, ffn_dim=13824,
                             patch_size=[1, 2, 2], task="i2v", expert_boundary=0.900),
+    # Open-Sora 2.0's MMDiT (configs/diffusion/inference/256px.py): "depth" counts the double-stream
+    # blocks, depth_single the single-stream ones; 11,891,390,528 parameters. -hc is the
+    # high-compression model on the 128-channel Video DC-AE (patch 1, also 11.89B).
+    "opensora-v2": dict(family="mmdit", depth=19, depth_single=38, hidden_size=3072, num_heads=24, mlp_ratio=4.0,
+                        patch_size=[1, 2, 2], axes_dim=[16, 56, 56], bf16_timesteps=True),
+    "opensora-v2-hc": dict(family="mmdit", depth=19, depth_single=38, hidden_size=3072, num_heads=24, mlp_ratio=4.0,
+                           patch_size=[1, 1, 1], axes_dim=[16, 56, 56], bf16_timesteps=True),
+    "mmdit-tiny": dict(family="mmdit", depth=2, depth_single=2, hidden_size=64, num_heads=2, mlp_ratio=4.0,
+                       patch_size=[1, 2, 2], axes_dim=[4, 14, 14]),
+    "mmdit-S": dict(family="mmdit", depth=6, depth_single=12, hidden_size=384, num_heads=6, mlp_ratio=4.0,
+                    patch_size=[1, 2, 2], axes_dim=[8, 28, 28]),
 }
 # The model options a preset may set, where it does not: videodit's own behaviour.
 MODEL_OPTION_DEFAULTS: dict[str, Any] = dict(family="stdit", position_embedding="videodit", null_caption_mask="full",
-                                             bf16_timesteps=False, freeze_null_caption=False, task="t2v")
+                                             bf16_timesteps=False, freeze_null_caption=False, task="t2v",
+                                             depth_single=0, vec_in_dim=768, cond_embed=True)
 
 
 # The most samples one batch may hold per GPU (train.batch_size, a bucket_config batch size). The
@@ -76,10 +88,13 @@ class ModelConfig:
     preset: str = opt("tiny", "model geometry preset: tiny, S, B, XL or opensora-v1.2 (XL with Open-Sora 1.2's "
                       "options, for its weights) of the STDiT family; wan-tiny, wan2.1-t2v-1.3b, wan2.1-t2v-14b, "
                       "wan2.1-i2v-14b, wan2.2-ti2v-5b, wan2.2-t2v-a14b or wan2.2-i2v-a14b (one expert) of the Wan "
-                      "family; fields set below override it", choices=tuple(MODEL_PRESETS))
-    family: Optional[str] = opt(None, "model family: stdit (Open-Sora 1.2) or wan (Wan 2.1) (default: the "
-                                "preset's; it must agree with the preset)", choices=("stdit", "wan"))
-    depth: Optional[int] = opt(None, "number of spatial+temporal block pairs (default: from preset)", min=1)
+                      "family; mmdit-tiny, mmdit-S, opensora-v2 or opensora-v2-hc of the MMDiT family (Open-Sora "
+                      "2.0); fields set below override it", choices=tuple(MODEL_PRESETS))
+    family: Optional[str] = opt(None, "model family: stdit (Open-Sora 1.2), wan (Wan 2.1) or mmdit (Open-Sora 2.0) "
+                                "(default: the preset's; it must agree with the preset)",
+                                choices=("stdit", "wan", "mmdit"))
+    depth: Optional[int] = opt(None, "number of spatial+temporal block pairs (STDiT), blocks (Wan) or double-stream "
+                               "blocks (MMDiT) (default: from preset)", min=1)
     hidden_size: Optional[int] = opt(None, "transformer width (default: from preset)", min=1)
     num_heads: Optional[int] = opt(None, "attention heads (default: from preset)", min=1)
     mlp_ratio: Optional[float] = opt(None, "MLP hidden size / width (default: from preset)", min=0.0)
@@ -99,6 +114,15 @@ class ModelConfig:
                                 choices=("high", "low", "both"))
     expert_boundary: Optional[float] = opt(None, "Wan 2.2 A14B: the shifted time t at which the high-noise expert "
                                            "takes over (T2V 0.875, I2V 0.9; default: from preset)", min=0.0, max=1.0)
+    depth_single: Optional[int] = opt(None, "MMDiT: single-stream blocks after the model.depth double-stream ones "
+                                      "(default: from preset)", min=0)
+    axes_dim: Optional[list[int]] = opt(None, "MMDiT: head channels rotated by frame, row and column position (3 even "
+                                        "sizes summing to the head size; default: from preset, else 1/8, 7/16, "
+                                        "7/16 of the head as released)", length=3, min=2)
+    vec_in_dim: Optional[int] = opt(None, "MMDiT: width of the pooled caption vector it embeds (CLIP-L: 768; "
+                                    "default: from preset)", min=1)
+    cond_embed: Optional[bool] = opt(None, "MMDiT: take the given frames' mask and latents as input channels "
+                                     "(Open-Sora 2.0's cond_in; default: from preset, on)")
     qk_norm: bool = opt(True, "RMS-normalise queries and keys in self-attention")
     pos_base_grid: int = opt(16, "patch grid side at which spatial positions span their base range")
     temporal_pos_embed: bool = opt(False, "add an absolute sin/cos frame-index embedding (STDiT3 has only "
@@ -146,6 +170,13 @@ class DiffusionConfig:
     constant_shift: Optional[float] = opt(None, "one timestep shift k for every clip (t' = k t / (1 + (k-1) t)), "
                                           "as Wan trains and samples (5 for text-to-video); replaces the "
                                           "resolution- and length-dependent one", min=0.0)
+    shift_rule: str = opt("opensora1.2", "the resolution- and length-dependent shift: opensora1.2 (sqrt of pixels "
+                          "and latent frames over shift_base_*, times shift_scale) or opensora2 (Open-Sora 2.0: a line "
+                          "through (256 tokens per latent frame, 1) and (4096, 3), times sqrt(latent frames))",
+                          choices=("opensora1.2", "opensora2"))
+    sigma_min: float = opt(0.0, "noise floor of the objective: x_t = (1-t) x0 + (1 - (1-sigma_min)(1-t)) noise, "
+                           "target (1-sigma_min) noise - x0 (Open-Sora 2.0: 1e-5; 0: plain rectified flow)",
+                           min=0.0, max=0.5)
     prediction: str = opt("velocity", "what the model outputs: velocity (Open-Sora) or data (x0, turned "
                           "into a velocity; learns faster in pixel space)", choices=("velocity", "data"))
     loss_space: str = opt("velocity", "where the MSE is taken: velocity (Open-Sora) or data (the x0 error, "
@@ -157,9 +188,21 @@ class DiffusionConfig:
                                                length=2, min=0.0, max=1.0)
     caption_dropout: float = opt(0.1, "probability of training on the null caption (enables CFG)",
                                  min=0.0, max=1.0)
+    pooled_caption_dropout: Optional[float] = opt(None, "a text encoder with a pooled vector (text.kind=t5-clip): "
+                                                  "the probability of replacing that vector by the empty caption's, "
+                                                  "drawn apart from caption_dropout's (which replaces the tokens by "
+                                                  "the empty caption's) as Open-Sora 2.0 does (0.31622777 each); "
+                                                  "null: caption_dropout", min=0.0, max=1.0)
     mask_ratios: Optional[dict] = opt(None, "image/video conditioning as Open-Sora 1.2 trains it: mask kind -> "
                                       "probability (random, intepolate, quarter_head, image_head, ...; the rest "
                                       "is identity); given frames stay clean and out of the loss")
+    condition_config: Optional[dict] = opt(None, "image/video conditioning as Open-Sora 2.0 trains it, written as in "
+                                           "its configs: mode -> weight (t2v, i2v_head, i2v_tail, i2v_loop, v2v_head, "
+                                           "v2v_tail, v2v_head_easy, v2v_tail_easy), one mode drawn per sample; the "
+                                           "model gets cat(mask, masked latents) as input channels (model.cond_embed)")
+    no_i2v_ref_loss: bool = opt(False, "with condition_config: leave the given first/last latent frame of the "
+                                "i2v modes out of the loss (what Open-Sora 2.0's flag means; its own trainer never "
+                                "hands the masks to the loss, so there it changes nothing)")
 
 
 @dataclass
@@ -194,6 +237,10 @@ class DataConfig:
                                   min=0.0, max=1.0)
     on_change: str = opt("error", "on resume with a changed dataset or bucket config: error or "
                          "restart_epoch", choices=("error", "restart_epoch"))
+    caption_suffix: str = opt("none", "what is appended to each training caption: none, or opensora2 (Open-Sora 2.0's "
+                              "' {fps} FPS, {motion} motion score.': the fps of the frames the model sees, the "
+                              "CSV's score_vmafmotion rounded; either part left out where unknown)",
+                              choices=("none", "opensora2"))
     cache: Optional[str] = opt(None, "feature cache folder (videodit cache build): train on its stored latents and "
                                "caption embeddings; no VAE or text encoder is built, data.csv is not read")
 
@@ -212,13 +259,21 @@ class VAEConfig:
     kind: str = opt("identity", "identity (pixels as latents), diffusers (local folder), opensora-v1.2 "
                     "(Open-Sora 1.2's VAE folder, hpcai-tech/OpenSora-VAE-v1.2), wan2.1 (Wan 2.1's VAE: a "
                     "diffusers vae/ folder or Wan2.1_VAE.pth, per-channel normalised) or wan2.2 (Wan 2.2 "
-                    "TI2V-5B's VAE: a diffusers vae/ folder or Wan2.2_VAE.pth; 48 channels, 16x space)",
-                    choices=("identity", "diffusers", "opensora-v1.2", "wan2.1", "wan2.2"))
+                    "TI2V-5B's VAE: a diffusers vae/ folder or Wan2.2_VAE.pth; 48 channels, 16x space), hunyuan "
+                    "(Open-Sora 2.0's HunyuanVideo VAE: hunyuan_vae.safetensors or a diffusers vae/ folder; 16 "
+                    "channels, 4x8x8, causal) or opensora-dc-ae (Open-Sora 2.0's Video DC-AE, "
+                    "F32T4C128_AE.safetensors; 128 channels, 4x32x32)",
+                    choices=("identity", "diffusers", "opensora-v1.2", "wan2.1", "wan2.2", "hunyuan", "opensora-dc-ae"))
     path: Optional[str] = opt(None, "local autoencoder folder or file (vae.kind=diffusers, opensora-v1.2, "
-                              "wan2.1, wan2.2)")
+                              "wan2.1, wan2.2, hunyuan, opensora-dc-ae)")
     subfolder: Optional[str] = opt(None, "subfolder of vae.path holding the autoencoder")
     scaling_factor: Optional[float] = opt(None, "latent scale (default: the model's own config; not for "
-                                          "opensora-v1.2, which uses its checkpoint's shift and scale)")
+                                          "opensora-v1.2, which uses its checkpoint's shift and scale; hunyuan: "
+                                          "0.476986, multiplied; opensora-dc-ae: 0.493, divided by, as Open-Sora "
+                                          "writes it)")
+    sample_posterior: bool = opt(False, "vae.kind=hunyuan: training encodes to a sample of the posterior (mean + "
+                                 "std * noise, seeded by the batch) instead of its mode; Open-Sora 2.0 trains on "
+                                 "samples (its encode's default); validation, cache build and sampling keep the mode")
     micro_batch: int = opt(16, "frames per pass of a per-frame VAE (opensora-v1.2: of its SD-VAE)", min=1)
     temporal_micro_batch: int = opt(4, "17-frame pieces per pass of Open-Sora 1.2's temporal VAE (pieces of "
                                     "all clips in a batch are encoded together; vae.kind=opensora-v1.2)", min=1)
@@ -230,10 +285,16 @@ class VAEConfig:
 
 @dataclass
 class TextConfig:
-    kind: str = opt("toy", "toy (built-in toy vocabulary), transformers (local folder) or umt5 (Wan's umT5-XXL: "
-                    "text_encoder/ + tokenizer/ of a diffusers Wan folder; run with its mask, zero-padded)",
-                    choices=("toy", "transformers", "umt5"))
-    path: Optional[str] = opt(None, "local transformers encoder folder (text.kind=transformers or umt5)")
+    kind: str = opt("toy", "toy (built-in toy vocabulary), transformers (local folder), umt5 (Wan's umT5-XXL: "
+                    "text_encoder/ + tokenizer/ of a diffusers Wan folder; run with its mask, zero-padded) or t5-clip "
+                    "(Open-Sora 2.0's T5-XXL tokens and CLIP-L pooled vector)",
+                    choices=("toy", "transformers", "umt5", "t5-clip"))
+    path: Optional[str] = opt(None, "local transformers encoder folder (text.kind=transformers or umt5); t5-clip: a "
+                              "folder holding t5/ and clip/, or Open-Sora 2.0's ckpts/ download (google/t5-v1_1-xxl/ "
+                              "and openai/clip-vit-large-patch14/)")
+    mask: bool = opt(True, "t5-clip: run T5 with its attention mask and mask the padded tokens in the model; false "
+                     "is Open-Sora 2.0's way (no mask: the pads carry features and the model attends to all "
+                     "max_length tokens)")
     max_length: int = opt(8, "caption tokens (padded / truncated)", min=1)
     dim: int = opt(64, "embedding width of the toy encoder", min=1)
     dtype: str = opt("fp32", "weights and compute of a transformers encoder: bf16 halves T5-XXL (9.5 GB instead "
@@ -314,12 +375,26 @@ class MemoryConfig:
     swap_blocks: int = opt(0, "keep the frozen weights of the first K repeated blocks (per expert) in pinned host "
                            "memory and copy each to the GPU only for its forward and backward, on a side stream "
                            "(0 = off; LoRA only; not with FSDP sharding, tp or pp)", min=0)
+    checkpoint_blocks: Optional[dict] = opt(None, "checkpoint the first n blocks of each kind instead of "
+                                            "checkpoint_every/fraction: block kind -> n (MMDiT: {double: 8, single: "
+                                            "100}, Open-Sora 2.0's grad_ckpt_settings; n may exceed the count; kinds "
+                                            "left out: none)")
 
-    def checkpointed_blocks(self, num_blocks: int) -> list[int]:
+    def checkpointed_blocks(self, num_blocks: int, kinds: Optional[list[str]] = None) -> list[int]:
         """Indices of the checkpointed blocks: every ``checkpoint_every``-th, then the first
-        ``checkpoint_fraction`` of those (none without checkpointing)."""
+        ``checkpoint_fraction`` of those (none without checkpointing); with ``checkpoint_blocks``,
+        the first n of each kind, ``kinds`` giving each block's."""
         if self.checkpointing == "none":
             return []
+        if self.checkpoint_blocks is not None:
+            if kinds is None or len(kinds) != num_blocks:
+                raise ValueError("memory.checkpoint_blocks counts blocks by kind: pass the kind of every block")
+            chosen, seen = [], {}
+            for i, kind in enumerate(kinds):
+                seen[kind] = seen.get(kind, 0) + 1
+                if seen[kind] <= self.checkpoint_blocks.get(kind, 0):
+                    chosen.append(i)
+            return chosen
         candidates = list(range(0, num_blocks, self.checkpoint_every))
         return candidates[: math.ceil(len(candidates) * self.checkpoint_fraction - 1e-9)]
 
@@ -327,7 +402,13 @@ class MemoryConfig:
 # What LoRA adapts by default, per model family: every block's self-attention projections and
 # its MLP (module paths inside each block; see models/lora.py). Wan's are its original names.
 LORA_TARGETS = {"stdit": ["attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc1", "mlp.fc2"],
-                "wan": ["self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "ffn.0", "ffn.2"]}
+                "wan": ["self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o", "ffn.0", "ffn.2"],
+                # MMDiT: the double blocks' image and text projections, the single blocks' (Open-Sora 2.0
+                # applies PEFT to "double/single blocks" and ships no list)
+                "mmdit": ["img_attn.q_proj", "img_attn.k_proj", "img_attn.v_proj", "img_attn.proj",
+                          "txt_attn.q_proj", "txt_attn.k_proj", "txt_attn.v_proj", "txt_attn.proj",
+                          "img_mlp.0", "img_mlp.2", "txt_mlp.0", "txt_mlp.2",
+                          "q_proj", "k_proj", "v_mlp", "linear2"]}
 
 
 @dataclass
@@ -418,13 +499,32 @@ class SampleConfig:
     expert_cfg: Optional[list[float]] = opt(None, "a model.expert=both run (Wan 2.2 A14B): [low, high], each expert's "
                                             "guidance scale, as Wan's sample_guide_scale (T2V [3.0, 4.0]; default: "
                                             "sample.cfg for both)", length=2, min=0.0)
+    image_cfg: float = opt(3.0, "models given frames as input channels (Open-Sora 2.0's cond_in): the image scale of "
+                           "its three-way CFG, v = u2 + image_cfg (u - u2) + cfg (c - u) over [text and frames, "
+                           "frames only, neither] (Open-Sora: 3.0, text 7.5)", min=0.0)
+    text_oscillation: bool = opt(False, "three-way CFG: after the first 10 steps, every odd step uses text scale 1 "
+                                 "(Open-Sora 2.0's text_osci; its inference configs turn it on)")
+    image_oscillation: bool = opt(False, "three-way CFG: the same for the image scale (Open-Sora 2.0's image_osci)")
+    image_cfg_ramp: bool = opt(False, "three-way CFG of an i2v mode: the image scale rises along the latent frames from "
+                               "1 to a ceiling that falls from image_cfg to 1 over the steps (Open-Sora 2.0's "
+                               "scale_temporal_osci)")
+    ref_mode: str = opt("i2v_head", "models given frames as input channels: what --ref gives, as Open-Sora 2.0's "
+                        "cond_type: i2v_head (its first frame opens the clip), i2v_tail (its last frame ends it), "
+                        "i2v_loop (both), v2v_head / v2v_tail (its first / last 32 frames, +1 with a causal VAE), "
+                        "v2v_head_easy / v2v_tail_easy (64)",
+                        choices=("i2v_head", "i2v_tail", "i2v_loop", "v2v_head", "v2v_tail", "v2v_head_easy",
+                                 "v2v_tail_easy"))
     fps: int = opt(8, "frames per second given to the model and written (match the training clips' "
                    "fps / data.frame_interval)", min=1)
-    prompt_style: str = opt("plain", "plain (prompts as given) or opensora (Open-Sora 1.2's inference: the "
-                            "aesthetic score appended, then its caption cleaning, lower case included)",
-                            choices=("plain", "opensora"))
+    prompt_style: str = opt("plain", "plain (prompts as given), opensora (Open-Sora 1.2's inference: the "
+                            "aesthetic score appended, then its caption cleaning, lower case included) or opensora2 "
+                            "(Open-Sora 2.0's inference: a final period, then ' {sample.fps} FPS.' and "
+                            "' {motion_score} motion score.')",
+                            choices=("plain", "opensora", "opensora2"))
     aesthetic_score: Optional[float] = opt(6.5, "with prompt_style=opensora: 'aesthetic score: X.' appended "
                                            "(null: none)")
+    motion_score: Optional[int] = opt(4, "with prompt_style=opensora2: 'X motion score.' appended (Open-Sora 2.0's "
+                                      "configs: 4; null: none)", min=0)
 
 
 @dataclass

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, default_collate, get_worker_info
 
+from videodit.data.caption_suffix import MOTION_COLUMN, training_caption
 from videodit.data.metadata import Metadata
 from videodit.data.pixels import clip_channels_last, cover_size, crop_resize_uint8
 from videodit.data.shared_slots import Lease, SlotBoard, fresh_shared
@@ -165,8 +166,10 @@ class VideoDataset(Dataset):
     """
 
     def __init__(self, meta: Metadata, plan: "BucketPlan", frame_interval: int = 1, seed: int = 0,
-                 max_replacements: int = 8, max_pixels: int = MAX_PIXELS):
+                 max_replacements: int = 8, max_pixels: int = MAX_PIXELS, caption_suffix: str = "none"):
+        """``caption_suffix``: ``data.caption_suffix`` (``opensora2``: Open-Sora 2.0's fps and motion score)."""
         self.meta = meta
+        self.caption_suffix = caption_suffix
         self.plan = plan
         self.frame_interval = frame_interval
         self.seed = seed
@@ -218,11 +221,16 @@ class VideoDataset(Dataset):
             raise FrameTooLarge(path, width, height, self.max_pixels, where=", by the CSV")
         frames, _ = read_video(path, indices=pick, threaded=self._threaded(index), max_pixels=self.max_pixels,
                                fit=(shape.height, shape.width), scratch=True)   # resized into ``out`` at once
-        return {
-            "video": crop_resize_uint8(frames, shape.height, shape.width, out),
-            "text": self.meta.texts[index],
-            "fps": self.meta.fps[index] / (self.frame_interval if shape.num_frames > 1 else 1),
-        }
+        fps = self.meta.fps[index] / (self.frame_interval if shape.num_frames > 1 else 1)
+        return {"video": crop_resize_uint8(frames, shape.height, shape.width, out), "text": self.caption(index, fps),
+                "fps": fps}
+
+    def caption(self, index: int, fps: float) -> str:
+        """The row's caption, with ``caption_suffix`` (``fps``: of the frames the model is given)."""
+        if self.caption_suffix == "none":
+            return self.meta.texts[index]
+        motion = self.meta.columns.get(MOTION_COLUMN)
+        return training_caption(self.meta.texts[index], fps, None if motion is None else motion[index])
 
     def _threaded(self, index: int) -> bool:
         # Workers already keep the cores busy, and for small frames starting FFmpeg's

@@ -45,7 +45,8 @@ def build_training_data(data: DataConfig, *, batch_size: int, seed: int, dp_rank
     use_decoder(decoder)
     meta = read_metadata(data.csv, bad_rows=data.bad_rows, cache=data.metadata_cache, progress=True)
     plan = BucketPlan(meta, data, batch_size, seed)
-    dataset = VideoDataset(meta, plan, data.frame_interval, seed=seed, max_pixels=data.max_pixels)
+    dataset = VideoDataset(meta, plan, data.frame_interval, seed=seed, max_pixels=data.max_pixels,
+                           caption_suffix=data.caption_suffix)
     sampler = BucketBatchSampler(plan.assign, [b.batch_size for b in plan.buckets], seed=seed,
                                  dp_rank=dp_rank, dp_size=dp_size, fingerprint=plan.fingerprint,
                                  legacy_fingerprint=plan.legacy_fingerprint, share=meta.shared,
@@ -71,7 +72,8 @@ def build_validation_data(data: DataConfig, csv: str, *, batch_size: int, seed: 
     that epoch 0 puts in a bucket, batched per bucket in order, the same set every time."""
     meta = read_metadata(csv, bad_rows="skip", option="validation.csv", cache=data.metadata_cache)
     plan = BucketPlan(meta, data, batch_size, seed=seed)
-    dataset = VideoDataset(meta, plan, data.frame_interval, seed=seed, max_pixels=data.max_pixels)
+    dataset = VideoDataset(meta, plan, data.frame_interval, seed=seed, max_pixels=data.max_pixels,
+                           caption_suffix=data.caption_suffix)
     buckets = plan.assign(0)
     chosen = np.flatnonzero(buckets >= 0)[:max_samples]
     keys = [(i, 0, b) for i, b in zip(chosen.tolist(), buckets[chosen].tolist())]

@@ -103,9 +103,14 @@ def with_scores(prompt: str, aesthetic: float | None = None, motion: float | Non
     return prompt
 
 
-def prepare_prompts(prompts: list[str], style: str, aesthetic: float | None = None) -> list[str]:
-    """``style``: ``plain`` (as given) or ``opensora`` (the aesthetic score appended, then
-    cleaned: Open-Sora's order, so the suffix is cleaned too)."""
+def prepare_prompts(prompts: list[str], style: str, aesthetic: float | None = None, fps: float = 24,
+                    motion: int | None = None) -> list[str]:
+    """``style``: ``plain`` (as given), ``opensora`` (the aesthetic score appended, then
+    cleaned: Open-Sora's order, so the suffix is cleaned too) or ``opensora2`` (Open-Sora 2.0's
+    ``fps`` and ``motion`` suffixes, ``data/caption_suffix.py``)."""
     if style == "plain":
         return list(prompts)
+    if style == "opensora2":
+        from videodit.data.caption_suffix import sampling_prompt
+        return [sampling_prompt(p, fps, motion) for p in prompts]
     return [clean_prompt(with_scores(p, aesthetic=aesthetic)) for p in prompts]

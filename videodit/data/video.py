@@ -376,13 +376,10 @@ def _read_window(path, indices: Indices, threaded: bool, max_pixels: int | None 
 
 
 class _ScratchFrames(threading.local):
-    """One frame buffer per thread, reused by ``read_video(scratch=True)``. A fresh array of a
-    clip's full-size frames (91 MB for 33 frames of 720p) is above malloc's mmap threshold, so
-    every clip faulted its pages in anew: 58 ms of a 720p window's ~180 ms read, against ~10 ms
-    for the same writes into memory already mapped. It grows to the largest clip read."""
-
-    def __init__(self):
-        self.buffer = np.empty(0, dtype=np.uint8)
+    """One frame buffer per thread, reused by ``read_video(scratch=True)``, grown to the largest clip:
+    a fresh array of a clip's full-size frames (91 MB for 33 frames of 720p) is above malloc's mmap
+    threshold, so every clip faulted its pages in anew (~30 CPU ms of a 720p window's read)."""
+    buffer = np.empty(0, dtype=np.uint8)
 
     def take(self, shape: tuple[int, ...]) -> np.ndarray:
         size = int(np.prod(shape))

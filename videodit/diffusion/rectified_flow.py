@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from videodit.config import DiffusionConfig
+import videodit.diffusion.opensora2_schedule as opensora2_schedule
 from videodit.diffusion.flow_unipc import guided
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -26,13 +27,20 @@ class RectifiedFlow:
     def __init__(self, cfg: DiffusionConfig):
         self.cfg = cfg
 
-    def shift_ratio(self, height: int, width: int, latent_frames: int) -> float:
+    def shift_ratio(self, height: int, width: int, latent_frames: int, latent_hw: tuple[int, int] | None = None,
+                    patch: int = opensora2_schedule.TRAINING_PATCH) -> float:
         """sqrt(pixels / base pixels) * sqrt(latent frames / base frames) * scale, or
-        ``diffusion.constant_shift`` for every clip (Wan)."""
+        ``diffusion.constant_shift`` for every clip (Wan), or with ``shift_rule=opensora2`` Open-Sora
+        2.0's alpha of the latent clip (``latent_hw``; tokens counted at ``patch``: 2 in training,
+        the model's patch when sampling, as its two scripts count them)."""
         if self.cfg.constant_shift is not None:
             return self.cfg.constant_shift
         if not self.cfg.shift:
             return 1.0
+        if self.cfg.shift_rule == "opensora2":
+            if latent_hw is None:
+                raise ValueError("shift_rule=opensora2 needs the latent height and width (latent_hw)")
+            return opensora2_schedule.shift_alpha(*latent_hw, latent_frames, patch)
         space = (height * width / self.cfg.shift_base_pixels) ** 0.5
         time = (latent_frames / self.cfg.shift_base_frames) ** 0.5
         return space * time * self.cfg.shift_scale
@@ -87,12 +95,17 @@ class RectifiedFlow:
         return p
 
     @staticmethod
-    def interpolate(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def interpolate(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, sigma_min: float = 0.0) -> torch.Tensor:
+        """x_t; with ``sigma_min`` > 0 (``diffusion.sigma_min``) Open-Sora 2.0's noise floor."""
+        if sigma_min:
+            return opensora2_schedule.interpolate(x0, noise, t, sigma_min)
         t = t.view(-1, *([1] * (x0.dim() - 1))).to(x0.dtype)
         return (1 - t) * x0 + t * noise
 
     @staticmethod
-    def velocity_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    def velocity_target(x0: torch.Tensor, noise: torch.Tensor, sigma_min: float = 0.0) -> torch.Tensor:
+        if sigma_min:
+            return opensora2_schedule.velocity_target(x0, noise, sigma_min)
         return noise - x0
 
     def model_velocity(self, output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,15 @@ from videodit.models.spec import ModelSpec
 
 @cache
 def families() -> dict[str, ModelSpec]:
+    from videodit.models.mmdit.spec import MMDiTSpec
     from videodit.models.stdit.spec import StditSpec
     from videodit.models.wan.spec import WanSpec
-    return {spec.family: spec for spec in (StditSpec(), WanSpec())}
+    return {spec.family: spec for spec in (StditSpec(), WanSpec(), MMDiTSpec())}
+
+
+# Families whose released layout takes any weights file (Open-Sora 1.2's checkpoints: one .pt or
+# .safetensors, a model/ folder): tried after the families that recognise theirs by its names.
+FALLBACK_LAYOUTS = ("stdit",)
 
 
 def get_spec(family: str) -> ModelSpec:
@@ -53,4 +59,5 @@ def encoder_kinds(field: str) -> tuple[str, ...]:
 
 def released_spec(path) -> ModelSpec | None:
     """The family whose released weights ``path`` holds (Open-Sora's STDiT3, Wan's folders), or None."""
-    return next((spec for spec in families().values() if spec.released_layout(path)), None)
+    ordered = sorted(families().values(), key=lambda spec: spec.family in FALLBACK_LAYOUTS)
+    return next((spec for spec in ordered if spec.released_layout(path)), None)

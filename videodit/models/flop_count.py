@@ -51,10 +51,12 @@ class StepFlops:
 
 
 
-def step_costs(count: FlopCount, memory: MemoryConfig | None = None, fused_attention: bool = True) -> list[float]:
+def step_costs(count: FlopCount, memory: MemoryConfig | None = None, fused_attention: bool = True,
+               kinds: tuple[str, ...] | None = None) -> list[float]:
     """Hardware FLOPs of one training step per block, the embedding added to the first and the
-    final layer to the last (what a pipeline stage holding those parts runs)."""
-    checkpointed = set(memory.checkpointed_blocks(len(count.blocks))) \
+    final layer to the last (what a pipeline stage holding those parts runs). ``kinds``: each
+    block's kind, which ``memory.checkpoint_blocks`` (first n blocks per kind) needs."""
+    checkpointed = set(memory.checkpointed_blocks(len(count.blocks), kinds)) \
         if memory is not None and memory.checkpointing == "full" else set()
     costs = [3 * f + (a / 2 if fused_attention else 0) + (f if i in checkpointed else 0)
              for i, (f, a) in enumerate(zip(count.blocks, count.attention))]

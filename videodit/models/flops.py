@@ -29,7 +29,8 @@ def train_step_flops(geometry, batch: int, frames: int, height: int, width: int,
     as the Trainer runs it. ``fused_attention``: SDPA runs a fused kernel (GPU), whose backward
     recomputes QK^T; the math path (CPU under FlopCounterMode) keeps it."""
     count = forward_flops(geometry, frames, height, width, caption_tokens)
-    hardware = sum(step_costs(count, memory, fused_attention))
+    kinds = spec_of(geometry).block_kinds(geometry) if memory is not None and memory.checkpoint_blocks else None
+    hardware = sum(step_costs(count, memory, fused_attention, kinds))
     return StepFlops(batch * (count.total + count.backward), batch * hardware)
 
 

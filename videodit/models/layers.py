@@ -23,6 +23,17 @@ class AttentionBackend:
     def __call__(self, q, k, v, *, kind: str, attn_mask=None):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
 
+    def joint(self, q, k, v, *, text_tokens: int, text_mask=None):
+        """Attention over one sequence of ``text_tokens`` caption tokens followed by image tokens
+        (the MMDiT's [text; image]); ``text_mask`` [B, text_tokens] bool (True: attended) masks
+        caption keys, every image key is attended. A sequence-parallel backend keeps the text
+        whole on every rank and shards the image tokens."""
+        mask = None
+        if text_mask is not None:
+            image = text_mask.new_ones(text_mask.shape[0], k.shape[2] - text_tokens)
+            mask = torch.cat([text_mask.bool(), image.bool()], dim=1)[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
 
 SDPA = AttentionBackend()
 

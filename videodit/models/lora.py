@@ -55,9 +55,13 @@ def _translation(model: nn.Module):
 
 
 def _resolve(modules: dict[str, nn.Module], blocks: list[str], target: str) -> list[str] | None:
-    """The Linear layers ``target`` names inside every block, else as a full path; None: none."""
-    inside = [f"{block}.{target}" for block in blocks]
-    if inside and all(isinstance(modules.get(path), nn.Linear) for path in inside):
+    """The Linear layers ``target`` names inside every block (of each kind that has it: the
+    MMDiT's double blocks have ``img_attn.q_proj``, its single blocks ``q_proj``), else as a
+    full path; None: none."""
+    has = {block: isinstance(modules.get(f"{block}.{target}"), nn.Linear) for block in blocks}
+    kinds = {type(modules[block]) for block, found in has.items() if found}
+    inside = [f"{block}.{target}" for block in blocks if type(modules[block]) in kinds]
+    if inside and all(has[block] for block in blocks if type(modules[block]) in kinds):
         return inside
     if isinstance(modules.get(target), nn.Linear):
         return [target]

@@ -27,6 +27,7 @@ What a spec answers, grouped as the system asks:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,9 @@ class Conditions:
     unconditional branch in training), fps [B], the clip's pixel size, the frame mask
     ``x_mask`` [B, T'] (True: generated) and image features ``image`` [B, tokens, C] (Wan 2.1
     I2V's CLIP) and ``given`` [B, C', T, H, W], channels entering beside x_t (Wan i2v's mask and
-    given frames' latents, from :meth:`ModelSpec.first_frame_condition`). A family uses what it needs."""
+    given frames' latents, from :meth:`ModelSpec.first_frame_condition`; the MMDiT's mask and masked
+    latents) and ``pooled`` [B, C_pooled], a pooled caption vector beside the tokens (Open-Sora 2.0's
+    CLIP-L ``pooler_output``). A family uses what it needs."""
     y: torch.Tensor
     y_mask: torch.Tensor
     drop: torch.Tensor | None = None
@@ -53,6 +56,7 @@ class Conditions:
     x_mask: torch.Tensor | None = None
     image: torch.Tensor | None = None
     given: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None
 
 
 def model_parts(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -117,6 +121,9 @@ class ActivationProfile:
     caption_layers: tuple[str, ...] = ("cross_attn.k", "cross_attn.v")
     sp_gathered: float = 1.0
     sp_local: float = 0.0
+    # The caption is a stream through the blocks (the MMDiT's text tokens), not one tensor they
+    # all read: each block's input holds it, so full checkpointing keeps it once per block.
+    caption_stream: bool = False
 
 
 @dataclass(frozen=True)
@@ -143,6 +150,7 @@ class ModelSpec:
     geometry_type: type               # the frozen dataclass of the model's arguments
     sequence_parallel: str            # "stdit_frames" or "full_attention" (parallel/ maps it)
     sequence_args: dict = {}          # full_attention: block arg -> token dim, or (dim, ndim) when per token
+    block_streams: int = 1            # token streams a block passes on (its first outputs = next block's first args)
     released_encoders: tuple[int, int, int]   # (latent channels, caption channels, caption tokens) of its releases
 
     # ------------------------------------------------------------------ build
@@ -268,8 +276,9 @@ class ModelSpec:
         ``models/vae.py``'s ``build_vae``, the one factory."""
         raise NotImplementedError
 
-    def build_text_encoder(self, kind: str, path, max_length: int | None, dtype: torch.dtype):
-        """The frozen text encoder ``text.kind=kind`` names (one of ``text_kinds``)."""
+    def build_text_encoder(self, kind: str, path, max_length: int | None, dtype: torch.dtype, mask: bool = True):
+        """The frozen text encoder ``text.kind=kind`` names (one of ``text_kinds``); ``mask=False``
+        (``text.mask``) only for the kinds ``components.UNMASKED_TEXT_KINDS`` lists."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ geometry, objective
@@ -330,6 +339,11 @@ class ModelSpec:
         """How many repeated blocks ``model.depth`` gives."""
         return depth
 
+    def blocks_of(self, model_cfg) -> int:
+        """How many repeated blocks a (resolved) model config gives: :meth:`num_blocks` of its
+        depth, unless the family counts more than ``model.depth`` (the MMDiT's single blocks)."""
+        return self.num_blocks(model_cfg.depth)
+
     def lora_target(self, name: str) -> str:
         """A ``lora.targets`` entry (a path inside every block, or a full module path) written in
         another naming of the family's layers, in its own module names (Wan: diffusers'
@@ -355,6 +369,40 @@ class ModelSpec:
         """The tensors one block (and the rest of the model) keeps for backward."""
         raise NotImplementedError
 
+    def kind_activation_profile(self, geometry, kind: str) -> ActivationProfile:
+        """What one block of ``kind`` keeps (the planner weighs per-kind checkpointing with it);
+        default: :meth:`activation_profile`, one profile for every block."""
+        return self.activation_profile(geometry)
+
+    def block_kinds(self, geometry) -> tuple[str, ...]:
+        """:meth:`block_kind` of each repeated block in order (``memory.checkpoint_blocks`` counts
+        per kind), read off the model built on the meta device once per geometry."""
+        return _block_kinds(self, geometry)
+
+
+@functools.lru_cache(maxsize=32)
+def _block_kinds(spec: ModelSpec, geometry) -> tuple[str, ...]:
+    with torch.device("meta"):   # structure only: no memory, no initialisation
+        model = spec.build(geometry)
+    return tuple(spec.block_kind(block) for block in model.blocks)
+
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def check_ulysses_ring(num_heads: int, *, tp: int, sp: int, ring: int) -> None:
+    """The sizes of sp = Ulysses x ring over a token sequence (Wan's tokens, the MMDiT's image
+    tokens): Ulysses splits each TP rank's heads sp/ring ways; ring attention (``parallel.sp_ring``)
+    takes any sp. A one-line UserError naming the valid ``sp_ring`` values otherwise."""
+    from videodit.errors import UserError
+    divisors = [d for d in range(1, sp + 1) if sp % d == 0]
+    if ring < 1 or sp % ring:
+        raise UserError(f"parallel.sp_ring={ring} does not divide parallel.sp={sp}; valid: "
+                        f"{', '.join(map(str, divisors))}")
+    ulysses, heads = sp // ring, num_heads // tp
+    if heads % ulysses:
+        valid = [r for r in divisors if heads % (sp // r) == 0]
+        raise UserError(f"parallel.sp={sp} with parallel.sp_ring={ring} leaves {ulysses} Ulysses ranks, which do not "
+                        f"divide the {heads} attention heads per tensor-parallel rank; valid parallel.sp_ring: "
+                        f"{', '.join(map(str, valid))} (sp_ring={sp}: ring attention only, any sp)")

@@ -453,6 +453,7 @@ def build_vae(
     micro_batch: int = 16,
     dtype: torch.dtype = torch.float32,
     temporal_micro_batch: int = 4,
+    sample_posterior: bool = False,
 ) -> nn.Module:
     """Build a frozen VAE adapter.
 
@@ -464,14 +465,24 @@ def build_vae(
     A family's own kind (``opensora-v1.2``, ``wan2.1``): built by its spec
     (``ModelSpec.build_vae``), with the normalisation of its release.
     ``micro_batch``: frames per (SD-)VAE pass; ``temporal_micro_batch``: 17-frame pieces per
-    pass of Open-Sora's temporal VAE.
+    pass of Open-Sora's temporal VAE. ``sample_posterior``: encode to a posterior sample, for
+    the adapters that can (a ``sample_posterior`` attribute: ``vae.kind=hunyuan``).
     """
+    if sample_posterior and kind in OWN_VAE_KINDS:
+        raise UserError(f"vae.sample_posterior=true does not apply to vae.kind={kind} (only to vae.kind=hunyuan); "
+                        "set it to false")
     if kind == "identity":
         return IdentityVAE(scaling_factor if scaling_factor is not None else 1.0)
     family = encoder_spec("vae_kinds", kind)
     if family is not None:   # a family's own VAE (Open-Sora 1.2's, Wan's): its spec builds it
-        return family.build_vae(kind, path, subfolder, scaling_factor=scaling_factor, micro_batch=micro_batch,
-                                temporal_micro_batch=temporal_micro_batch, dtype=dtype)
+        vae = family.build_vae(kind, path, subfolder, scaling_factor=scaling_factor, micro_batch=micro_batch,
+                               temporal_micro_batch=temporal_micro_batch, dtype=dtype)
+        if sample_posterior:   # an option of the adapter, not of every family's build_vae
+            if not hasattr(vae, "sample_posterior"):
+                raise UserError(f"vae.sample_posterior=true does not apply to vae.kind={kind} (only to "
+                                "vae.kind=hunyuan); set it to false")
+            vae.sample_posterior = True
+        return vae
     if kind != "diffusers":
         raise UserError(f"vae.kind={kind!r} is not supported; choose one of: {', '.join(vae_kinds())}")
 

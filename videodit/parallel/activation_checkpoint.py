@@ -11,7 +11,8 @@ exactly as they were.
 
 Which blocks: ``MemoryConfig.checkpointed_blocks`` (every ``checkpoint_every``-th block, then
 the first ``checkpoint_fraction`` of those), so the planner can trade memory for recompute
-in small steps.
+in small steps; or ``memory.checkpoint_blocks``, the first n blocks of each kind (the MMDiT's
+double and single blocks: Open-Sora 2.0's ``grad_ckpt_settings``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from videodit.config import MemoryConfig
+from videodit.errors import UserError
 
 _aten = torch.ops.aten
 # Ops whose outputs selective checkpointing keeps: the matmuls and every attention kernel
@@ -53,9 +55,41 @@ def checkpoint_module(module: nn.Module, mode: str = "full") -> None:
     module.forward = forward
 
 
+def block_kinds(model: nn.Module) -> list[str]:
+    """The kind of each of ``model.blocks`` (the family's ``block_kind``: MMDiT double/single)."""
+    from videodit.models.families import spec_of
+    spec = spec_of(model)
+    return [spec.block_kind(block) for block in model.blocks]
+
+
+def chosen_blocks(model: nn.Module, memory: MemoryConfig) -> list[int]:
+    """The indices of ``model.blocks`` that ``memory`` checkpoints; ``memory.checkpoint_blocks``
+    (first n per kind) is checked against the model's kinds, in one line. For a pipeline stage
+    (``block_ids``: its blocks' numbers in the whole model) the first n of a kind are the whole
+    model's, so a stage of later blocks checkpoints only those among them."""
+    if memory.checkpoint_blocks is None:
+        return memory.checkpointed_blocks(len(model.blocks))
+    from videodit.models.families import spec_of
+    kinds = list(spec_of(model).block_kinds(model.geometry))   # every block of the whole model
+    ids = getattr(model, "block_ids", range(len(model.blocks)))
+    counts = memory.checkpoint_blocks
+    known = sorted(set(kinds), key=kinds.index)
+    example = ", ".join(f"{kind}: n" for kind in known)
+    if memory.checkpointing == "none":
+        raise UserError("memory.checkpoint_blocks chooses which blocks to checkpoint, but memory.checkpointing=none; "
+                        "set memory.checkpointing=full (or selective)")
+    bad = [f"{kind}: {n!r}" for kind, n in counts.items()
+           if kind not in known or isinstance(n, bool) or not isinstance(n, int) or n < 0]
+    if bad:
+        raise UserError(f"memory.checkpoint_blocks has {', '.join(bad)}; give a count >= 0 per block kind of this "
+                        f"model: {{{example}}}")
+    whole = set(memory.checkpointed_blocks(len(kinds), kinds))
+    return [local for local, i in enumerate(ids) if i in whole]
+
+
 def apply_activation_checkpointing(model: nn.Module, memory: MemoryConfig) -> list[int]:
     """Checkpoint the blocks of ``model.blocks`` that ``memory`` chooses; returns their indices."""
-    chosen = memory.checkpointed_blocks(len(model.blocks))
+    chosen = chosen_blocks(model, memory)
     for i in chosen:
         checkpoint_module(model.blocks[i], memory.checkpointing)
     return chosen

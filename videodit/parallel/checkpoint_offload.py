@@ -42,6 +42,28 @@ class InputOffloadStats:
     unprefetched: int = 0       # brought back only when the recompute asked (compute waited)
 
 
+def host_like(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """An uninitialised host tensor for ``t``'s values, with ``t``'s strides where its memory is
+    dense (a permuted view of a block's input, say): the recompute must see the layout the forward
+    saw, since ops pick their kernels by it and with them the order they save tensors in (a
+    contiguous copy of a transposed input made a linear save its two operands the other way round:
+    checkpoint's "recomputed values have different metadata", seen on an H100)."""
+    if _dense(t):
+        return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, pin_memory=pin)
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill their memory without gaps or overlaps (some permutation of a
+    contiguous tensor)."""
+    expected = 1
+    for dim in sorted(range(t.dim()), key=t.stride):
+        if t.size(dim) != 1 and t.stride(dim) != expected:
+            return False
+        expected *= t.size(dim)
+    return True
+
+
 class _HostCopy:
     """One offloaded input: the host copy, and once sent back, the device copy."""
 
@@ -74,14 +96,14 @@ class InputOffloader:
             # compute stream before it is read, so its memory waits for the side stream too.
             self.stream.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(self.stream):
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host = host_like(t, pin=True)
                 host.copy_(t, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record(self.stream)
             t.record_stream(self.stream)
         else:
             with _disable_current_modes():   # host memory: not what the device allocator holds
-                host, ready = t.detach().clone(), None
+                host, ready = host_like(t, pin=False).copy_(t.detach()), None
         copy = _HostCopy(index, host, t.device, ready)
         self._waiting.setdefault(index, weakref.WeakSet()).add(copy)
         self.stats.offloaded += 1
@@ -119,20 +141,22 @@ class InputOffloader:
         return back
 
 
-def offload_checkpoint_inputs(block: nn.Module, index: int, offloader: InputOffloader, previous: int) -> None:
-    """Send the token input (first argument) that the checkpointed ``block`` (number ``index`` in its
-    part) keeps for its recompute to host memory (module docstring); when its backward starts, bring
-    back the input of block ``previous`` (the checkpointed block before it; -1: none). Replaces
-    ``forward`` on the instance, outside the checkpoint wrapper and compile."""
+def offload_checkpoint_inputs(block: nn.Module, index: int, offloader: InputOffloader, previous: int,
+                              streams: int = 1) -> None:
+    """Send the token inputs (the first ``streams`` arguments: the previous block's outputs; the
+    MMDiT's image and text) that the checkpointed ``block`` (number ``index`` in its part) keeps for
+    its recompute to host memory (module docstring); when its backward starts, bring back the
+    inputs of block ``previous`` (the checkpointed block before it; -1: none). Replaces ``forward``
+    on the instance, outside the checkpoint wrapper and compile."""
     inner = block.forward
 
     def forward(*args, **kwargs):
         if not (torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor)) or not offloader.takes(args[0]):
             return inner(*args, **kwargs)
-        token_storage = args[0].untyped_storage().data_ptr()
+        token_storages = {a.untyped_storage().data_ptr() for a in args[:streams] if isinstance(a, torch.Tensor)}
 
         def pack(t: torch.Tensor):
-            if offloader.takes(t) and t.untyped_storage().data_ptr() == token_storage:
+            if offloader.takes(t) and t.untyped_storage().data_ptr() in token_storages:
                 return offloader.pack(index, t)
             return t
 
@@ -141,9 +165,11 @@ def offload_checkpoint_inputs(block: nn.Module, index: int, offloader: InputOffl
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             out = inner(*args, **kwargs)
-        for t in (out,) if isinstance(out, torch.Tensor) else ():
+        outputs = (out,) if isinstance(out, torch.Tensor) else tuple(t for t in out if isinstance(t, torch.Tensor))
+        for t in outputs:
             if t.requires_grad:   # its gradient is ready: this block's recompute is next, then previous's
                 t.register_hook(lambda grad: offloader.prefetch(previous))
+                break
         return out
 
     block.forward = forward
@@ -151,14 +177,15 @@ def offload_checkpoint_inputs(block: nn.Module, index: int, offloader: InputOffl
 
 
 def apply_checkpoint_input_offload(model: nn.Module, checkpointed: list[int], *,
-                                   stand_in: bool = False) -> InputOffloader:
-    """Offload the token inputs of ``model.blocks[i]`` for each checkpointed ``i``; one offloader
-    (and side stream) per model part. ``stand_in``: do it on CPU too (tests, benchmarks)."""
+                                   stand_in: bool = False, streams: int = 1) -> InputOffloader:
+    """Offload the token inputs (the first ``streams`` arguments) of ``model.blocks[i]`` for each
+    checkpointed ``i``; one offloader (and side stream) per model part. ``stand_in``: do it on CPU
+    too (tests, benchmarks)."""
     device = next(model.parameters()).device
     offloader = InputOffloader(device, stand_in=stand_in)
     blocks = list(model.blocks)
     for previous, i in zip([-1, *checkpointed], checkpointed):
-        offload_checkpoint_inputs(blocks[i], i, offloader, previous)
+        offload_checkpoint_inputs(blocks[i], i, offloader, previous, streams)
     return offloader
 
 

@@ -73,15 +73,17 @@ class ParallelDims:
 
     # ------------------------------------------------------------------ checks against the model
 
-    def check_model(self, *, num_heads: int, hidden_size: int, depth: int, spec, sp_ring: int = 1) -> None:
+    def check_model(self, *, num_heads: int, hidden_size: int, depth: int, spec, sp_ring: int = 1,
+                    blocks: int | None = None) -> None:
         """Raise a UserError if a size cannot split this model (``spec``: its family, which knows
-        how many blocks ``depth`` means and what its sequence parallelism needs)."""
+        how many blocks ``depth`` means and what its sequence parallelism needs; ``blocks``: the
+        model's repeated blocks where ``depth`` does not give them all, ``spec.blocks_of``)."""
         if num_heads % self.tp or hidden_size % self.tp:
             valid = [d for d in divisors(num_heads) if hidden_size % d == 0]
             raise UserError(f"parallel.tp={self.tp} does not divide model.num_heads={num_heads} and "
                             f"model.hidden_size={hidden_size}; valid: {_listing(valid)}")
         spec.check_sequence_parallel(num_heads, tp=self.tp, sp=self.sp, ring=sp_ring)
-        blocks = spec.num_blocks(depth)
+        blocks = spec.num_blocks(depth) if blocks is None else blocks
         if self.pp > blocks:
             raise UserError(f"parallel.pp={self.pp} exceeds the model's {blocks} blocks; valid: 1 to {blocks}")
 

@@ -152,10 +152,11 @@ def init_distributed(cfg: Config) -> DistContext:
     dims = ParallelDims.from_config(cfg.parallel, world)
     m = cfg.model
     spec = get_spec(m.family)
+    blocks = spec.blocks_of(m)   # the MMDiT: its double and single blocks
     dims.check_model(num_heads=m.num_heads, hidden_size=m.hidden_size, depth=m.depth, spec=spec,
-                     sp_ring=cfg.parallel.sp_ring)
-    per_rank, microbatches = dims.check_pipeline(cfg.parallel, blocks=spec.num_blocks(m.depth))
-    dims.check_block_swap(cfg.memory.swap_blocks, blocks=spec.num_blocks(m.depth), frozen_base=cfg.lora.rank > 0)
+                     sp_ring=cfg.parallel.sp_ring, blocks=blocks)
+    per_rank, microbatches = dims.check_pipeline(cfg.parallel, blocks=blocks)
+    dims.check_block_swap(cfg.memory.swap_blocks, blocks=blocks, frozen_base=cfg.lora.rank > 0)
     if m.image_dim is not None and dims.pp > 1:
         raise UserError(f"parallel.pp={dims.pp}: the pipeline does not carry Wan 2.1 I2V's image features between "
                         "stages; split the model with parallel.tp, parallel.sp or parallel.dp_shard (FSDP2) instead")

@@ -32,6 +32,7 @@ from videodit.parallel.compile import CompileOptions, CompileStats, apply_compil
 from videodit.parallel.distributed import DistContext
 from videodit.parallel.float8 import Float8Options, apply_float8
 from videodit.parallel.full_attention import apply_full_attention_sp
+from videodit.parallel.joint_attention import apply_joint_attention_sp
 from videodit.models.flops import block_costs
 from videodit.models.families import spec_of
 from videodit.models.spec import model_parts
@@ -40,7 +41,7 @@ from videodit.parallel.pipeline import (PipelineSchedule, build_pipeline, check_
                                        pack_target, pipeline_loss)
 from videodit.parallel.saved_tensors import wrap_saved_tensors
 from videodit.parallel.sequence import apply_sequence_parallel
-from videodit.parallel.tensor import apply_tensor_parallel
+from videodit.parallel.tensor import apply_tensor_parallel, fsdp_placement
 
 
 
@@ -202,11 +203,15 @@ def parallelize(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *, memo
 
 def apply_family_sequence_parallel(model: nn.Module, ctx: DistContext, cfg: ParallelConfig) -> None:
     """The family's sequence parallelism: STDiT's frame/position swap (``sequence.py``), or for
-    full 3D attention Ulysses x ring over the token sequence (``full_attention.py``), slicing the
+    full 3D attention Ulysses x ring over the token sequence (``full_attention.py``; the MMDiT's
+    joint [text; image] attention over the image tokens, ``joint_attention.py``), slicing the
     block inputs the family names (``ModelSpec.sequence_args``)."""
     spec = spec_of(model)
     if spec.sequence_parallel == "stdit_frames":
         apply_sequence_parallel(model, ctx.group("sp"))
+    elif spec.sequence_parallel == "joint_attention":   # MMDiT: the caption whole, the image sharded
+        apply_joint_attention_sp(model.blocks, ctx.meshes["sp"], ring_degree=cfg.sp_ring,
+                                 sequence_args=spec.sequence_args)
     else:
         apply_full_attention_sp(model.blocks, ctx.meshes["sp"], ring_degree=cfg.sp_ring,
                                 sequence_args=spec.sequence_args)
@@ -223,8 +228,8 @@ def apply_memory_levers(model: nn.Module, cfg: MemoryConfig) -> list[int]:
 def apply_saved_tensor_levers(model: nn.Module, cfg: MemoryConfig, checkpointed: list[int]) -> None:
     """Offload or compress what the blocks that are not checkpointed save for backward; with
     offload, also the token inputs the checkpointed blocks keep (``checkpoint_offload.py``)."""
-    if cfg.offload and checkpointed:
-        apply_checkpoint_input_offload(model, checkpointed)
+    if cfg.offload and checkpointed:   # the block inputs that are the previous block's outputs
+        apply_checkpoint_input_offload(model, checkpointed, streams=spec_of(model).block_streams)
     if cfg.offload or cfg.compression != "none":
         for i, block in enumerate(model.blocks):
             if i not in checkpointed:
@@ -242,7 +247,8 @@ def apply_fsdp(parts: list[nn.Module], roots: list[nn.Module], ctx: DistContext,
     """
     mesh = ctx.meshes["hsdp" if ctx.dims.data_parallel == "hsdp" else "dp_shard_sp"]
     options = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
-                   offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy())
+                   offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
+                   shard_placement_fn=fsdp_placement)   # fused TP layers: along their inputs
     # FSDP2 warns that the model returns a view (the un-padding slice); nothing writes to it in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     for part in parts:

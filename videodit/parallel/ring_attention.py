@@ -162,31 +162,36 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, length = ctx.group, ctx.length
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        block_len, dout = q.shape[2], dout.contiguous()
-        kv = torch.stack((k, v))
-        accumulate = accumulation_dtype(q.dtype)
-        dq = torch.zeros_like(q, dtype=accumulate)
-        grads_pending = None   # dK/dV of the block we hold next, from the previous rank
-        for step in range(size):
-            kv_pending = _pass_on(kv, group) if step + 1 < size else None
-            valid = valid_keys(length, (rank - step) % size, block_len)
-            if valid:
-                bq, bk, bv = block_backward(dout, q, *_block_keys(kv, valid), out, lse, ctx.scale, ctx.kernel,
-                                            ctx.aux)
-                dq += bq
-            dkv = _arrived(grads_pending) if grads_pending is not None else \
-                torch.zeros(kv.shape, dtype=accumulate, device=kv.device)
-            if valid:
-                dkv[0, :, :, :valid] += bk
-                dkv[1, :, :, :valid] += bv
-            # The accumulator follows its block to the next rank; after the last step it is home.
-            grads_pending = _pass_on(dkv, group) if size > 1 else ([], dkv, dkv)
-            if kv_pending is not None:
-                kv = _arrived(kv_pending)
-        dkv = _arrived(grads_pending)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        dq = torch.zeros_like(q, dtype=accumulation_dtype(q.dtype))
+        dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, dq, ctx.group, ctx.length, ctx.scale,
+                               ctx.kernel, ctx.aux)
+        return dq.to(q.dtype), dk, dv, None, None, None
+
+
+def ring_backward(dout, q, k, v, out, lse, dq, group, length: int, scale: float, kernel: str, aux):
+    """The ring's backward over the key/value blocks k, v [B, H, block, Dh] (this rank's; the others
+    arrive around the ring): adds each block's dQ into ``dq`` (accumulation dtype) and returns this
+    rank's (dK, dV), whose accumulators travel with their blocks and come home after the last step."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    block_len, kv = k.shape[2], torch.stack((k, v))
+    grads_pending = None   # dK/dV of the block we hold next, from the previous rank
+    for step in range(size):
+        kv_pending = _pass_on(kv, group) if step + 1 < size else None
+        valid = valid_keys(length, (rank - step) % size, block_len)
+        if valid:
+            bq, bk, bv = block_backward(dout, q, *_block_keys(kv, valid), out, lse, scale, kernel, aux)
+            dq += bq
+        dkv = _arrived(grads_pending) if grads_pending is not None else \
+            torch.zeros(kv.shape, dtype=dq.dtype, device=kv.device)
+        if valid:
+            dkv[0, :, :, :valid] += bk
+            dkv[1, :, :, :valid] += bv
+        # The accumulator follows its block to the next rank; after the last step it is home.
+        grads_pending = _pass_on(dkv, group) if size > 1 else ([], dkv, dkv)
+        if kv_pending is not None:
+            kv = _arrived(kv_pending)
+    dkv = _arrived(grads_pending)
+    return dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, length: int,

@@ -5,7 +5,9 @@ Full state: ``model.safetensors`` and ``ema.safetensors`` always hold whole tens
 sampling and export read) and, without sharding, ``optimizer.pt`` holds the optimizer
 state keyed by parameter name. Sharded runs (FSDP/HSDP) also write ``dcp/``: model, EMA
 and optimizer as DCP shards, which DCP re-shards on load, so a run saved on 4 ranks
-resumes on 2 or on 1. Loading works the same from any layout into any layout.
+resumes on 2 or on 1. Loading works the same from any layout into any layout. Tensor
+parallelism's fused layers (the MMDiT single blocks' ``v_mlp``/``linear2``) are strided shards,
+which DCP cannot write: they travel as plain shards (``parallel/tensor.py``'s ``dcp_state``).
 
 Reading shards never runs code from the checkpoint, whoever wrote it: DCP's own reader
 unpickles ``dcp/.metadata`` with plain ``pickle`` and the non-tensor entries (learning rate,
@@ -44,6 +46,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from videodit.errors import UserError
 from videodit.models.lora import base_parameter_names
+from videodit.parallel.tensor import dcp_state, restore_from_dcp
 from videodit.user_files import NotRegularFile, open_user_fd, read_user_bytes
 
 SHARDS_DIR = "dcp"
@@ -139,8 +142,9 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, ema: dict 
 
 
 def save_shards(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ema: dict | None) -> None:
-    """Every rank writes its shards into ``folder/dcp`` (a collective)."""
-    dcp.save(sharded_state(model, optimizer, ema), checkpoint_id=str(Path(folder) / SHARDS_DIR))
+    """Every rank writes its shards into ``folder/dcp`` (a collective). Tensor parallelism's fused
+    layers are strided shards, which DCP refuses: they are written as plain shards (``dcp_state``)."""
+    dcp.save(dcp_state(sharded_state(model, optimizer, ema)), checkpoint_id=str(Path(folder) / SHARDS_DIR))
 
 
 def load_shards(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, ema: dict | None) -> None:
@@ -150,7 +154,8 @@ def load_shards(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer
     folder = Path(folder)
     files = shard_files(folder)
     metadata = read_shard_metadata(folder, files)
-    state = sharded_state(model, optimizer, ema)
+    live = sharded_state(model, optimizer, ema)
+    state = dcp_state(live)   # DCP reads into plain shards; restore_from_dcp hands them to the strided ones
     reader = _CheckedReader(folder, files, metadata)
     try:
         with warnings.catch_warnings():   # one process reading shards is intended, not a mistake
@@ -167,9 +172,21 @@ def load_shards(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer
         raise
     except (RuntimeError, ValueError, KeyError, AssertionError, OSError, EOFError, pickle.UnpicklingError) as exc:
         raise _unreadable(folder, exc) from exc
+    restore_from_dcp(live, state)
+    state = _with_live_shards(live, state)
     set_model_state_dict(model, state["model"], options=_model_options(model))
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    # The EMA tensors were loaded in place.
+    # The EMA tensors were loaded in place (strided ones by restore_from_dcp).
+
+
+def _with_live_shards(live, loaded):
+    """What DCP read (tensors and plain values: learning rates, betas), except the sharded tensors,
+    taken from ``live``: :func:`restore_from_dcp` copied the plain copies' values into its strided ones."""
+    if isinstance(live, dict):
+        return {key: _with_live_shards(value, loaded[key]) for key, value in live.items()}
+    if isinstance(live, list) and isinstance(loaded, list) and len(live) == len(loaded):
+        return [_with_live_shards(value, other) for value, other in zip(live, loaded)]
+    return live if isinstance(live, DTensor) else loaded
 
 
 def _unreadable(folder: Path, exc: BaseException) -> UserError:

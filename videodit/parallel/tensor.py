@@ -17,11 +17,16 @@ need the mean of squares of the whole width: they run on DTensors sharded like t
 
 from __future__ import annotations
 
+import functools
+
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                parallelize_module)
 
+from videodit.errors import UserError
 from videodit.models.families import spec_of
 from videodit.models.lora import is_lora_layer
 from videodit.parallel.lora import tensor_parallel_plan
@@ -43,9 +48,117 @@ def _style(style):
     if style == "colwise_gathered":
         return ColwiseParallel(output_layouts=Replicate())
     kind, layouts = style
+    if kind == "fused_colwise":
+        return _FusedColwise(layouts)
+    if kind == "fused_rowwise":
+        return _FusedRowwise(layouts)
     if kind != "inputs":
         raise ValueError(f"unknown tensor-parallel style {style!r}")
     return _replicated_inputs(*(Replicate() if layout == "replicate" else None for layout in layouts))
+
+
+def _fused_chunks(sizes) -> int:
+    """How many equal chunks a fused layer of parts ``sizes`` (attention part first) is cut into:
+    the attention part must be one chunk, so that each rank's slice of it is whole heads, and
+    every other part a whole number of chunks (hidden units of an MLP may go to any rank)."""
+    first = sizes[0]
+    if any(size % first for size in sizes):
+        raise UserError(f"tensor parallelism shards a fused layer of parts {list(sizes)} only when every part is a "
+                        f"multiple of the first ({first}); use an integer model.mlp_ratio or parallel.tp=1")
+    return sum(sizes) // first
+
+
+class _FusedColwise(ColwiseParallel):
+    """Column-wise over a layer whose outputs are several parts (the single block's v_mlp: [v; MLP
+    input]): each rank takes its slice of every part (Open-Sora's ``FusedLinear1D_Col``). The
+    weight is a DTensor ``_StridedShard(0)``, so it gathers to the layer's own layout (checkpoints
+    as in one process); the output is this rank's [v slice; MLP slice], local."""
+
+    def __init__(self, sizes):
+        super().__init__()
+        self.chunks = _fused_chunks(sizes)
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        # The bias stays whole: FSDP2 cannot shard a dim TP already strides (the weight it
+        # shards along its inputs, see fsdp_placement); each rank adds its slice of it.
+        weight = distribute_tensor(module.weight, device_mesh, [_StridedShard(0, split_factor=self.chunks)])
+        module.register_parameter("weight", nn.Parameter(weight, requires_grad=module.weight.requires_grad))
+        if getattr(module, "bias", None) is not None:
+            bias = distribute_tensor(module.bias, device_mesh, [Replicate()])
+            module.register_parameter("bias", nn.Parameter(bias, requires_grad=module.bias.requires_grad))
+
+    def _apply(self, module, device_mesh):
+        return distribute_module(module, device_mesh, self._partition_linear_fn,
+                                 functools.partial(self._prepare_input_fn, self.input_layouts,
+                                                   self.desired_input_layouts),
+                                 lambda mod, outputs, mesh: outputs.to_local())
+
+
+class _FusedRowwise(RowwiseParallel):
+    """Row-wise over a layer whose inputs are several parts (the single block's linear2: [attention;
+    MLP activation]), each rank holding its slice of every part as :class:`_FusedColwise` made it;
+    the output is all-reduced."""
+
+    def __init__(self, sizes):
+        chunks = _fused_chunks(sizes)
+        super().__init__(input_layouts=_StridedShard(-1, split_factor=chunks))
+        self.chunks = chunks
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        weight = distribute_tensor(module.weight, device_mesh, [_StridedShard(1, split_factor=self.chunks)])
+        module.register_parameter("weight", nn.Parameter(weight, requires_grad=module.weight.requires_grad))
+        if getattr(module, "bias", None) is not None:
+            bias = distribute_tensor(module.bias, device_mesh, [Replicate()])
+            module.register_parameter("bias", nn.Parameter(bias, requires_grad=module.bias.requires_grad))
+
+    def _apply(self, module, device_mesh):
+        return distribute_module(module, device_mesh, self._partition_linear_fn,
+                                 functools.partial(self._prepare_input_fn, self.input_layouts, self.input_layouts),
+                                 functools.partial(self._prepare_output_fn, self.output_layouts,
+                                                   self.use_local_output))
+
+
+def fsdp_placement(param) -> Shard | None:
+    """FSDP2's placement of a parameter (``fully_shard``'s ``shard_placement_fn``): a weight that
+    tensor parallelism strides along dim 0 (a fused column-wise layer) is sharded along its
+    inputs, dim 1 (FSDP2 composes dim 0 with a stride wrongly); others as FSDP2 chooses."""
+    if isinstance(param, DTensor) and any(isinstance(p, _StridedShard) and p.dim == 0 for p in param.placements):
+        return Shard(1)
+    return None
+
+
+def _plain(tensor):
+    """A strided DTensor (a fused layer's TP shard) redistributed to the plain ``Shard`` of the same
+    dim; anything else as it is."""
+    if not isinstance(tensor, DTensor) or not any(isinstance(p, _StridedShard) for p in tensor.placements):
+        return tensor
+    with torch.no_grad():
+        return tensor.redistribute(placements=[Shard(p.dim) if isinstance(p, _StridedShard) else p
+                                               for p in tensor.placements])
+
+
+def dcp_state(state):
+    """``state`` (nested dicts and lists of tensors: model, optimizer, EMA) with every strided
+    DTensor as a plain-sharded copy: DCP writes one contiguous chunk per rank and refuses the
+    fused layers' strided shards. Load into the result, then :func:`restore_from_dcp`."""
+    if isinstance(state, dict):
+        return {key: dcp_state(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [dcp_state(value) for value in state]
+    return _plain(state)
+
+
+def restore_from_dcp(live, loaded) -> None:
+    """Copy what DCP loaded into :func:`dcp_state`'s copies back into ``live``'s strided DTensors."""
+    if isinstance(live, dict):
+        for key, value in live.items():
+            restore_from_dcp(value, loaded[key])
+    elif isinstance(live, list):
+        for value, other in zip(live, loaded):
+            restore_from_dcp(value, other)
+    elif loaded is not live and isinstance(live, DTensor):
+        with torch.no_grad():
+            live.to_local().copy_(loaded.redistribute(placements=live.placements).to_local())
 
 
 def _styles(plan: dict) -> dict:

@@ -47,6 +47,7 @@ class Parallel:
     microbatches: int = 1    # pipeline micro-batches per batch
     in_flight: int = 1       # micro-batches whose activations the first stage holds at once
     cpu_offload: bool = False
+    reshard: bool = True     # FSDP frees gathered weights after forward (False: ZeRO-2-like)
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class ModelCounts:
     num_params: int
     block_params: int        # all transformer blocks together
     depth_blocks: int        # spatial + temporal blocks
+    kinds: tuple[str, ...] = ()   # each block's kind (the MMDiT: double, single), in order
 
     @property
     def other_params(self) -> int:
@@ -112,7 +114,9 @@ def count_model(geometry, model: nn.Module | None = None) -> ModelCounts:
         with torch.device("meta"):
             model = spec_of(geometry).build(geometry)
     blocks = sum(p.numel() for b in model.blocks for p in b.parameters())
-    return ModelCounts(sum(p.numel() for p in model.parameters()), blocks, len(model.blocks))
+    spec = spec_of(geometry)
+    return ModelCounts(sum(p.numel() for p in model.parameters()), blocks, len(model.blocks),
+                       tuple(spec.block_kind(b) for b in model.blocks))
 
 
 @dataclass
@@ -183,19 +187,20 @@ def saved_bytes(entries: tuple[Saved, ...], dims: ActivationDims, counts: dict[s
 
 def block_activation_bytes(geometry, tokens: int, batch: int, caption_length: int,
                            parallel: Parallel, precision: Precision, mode: str = "none",
-                           compression: str = "none", lora: Lora | None = None) -> float:
+                           compression: str = "none", lora: Lora | None = None, kind: str | None = None) -> float:
     """Bytes one block keeps for backward, for ``tokens`` tokens on this rank.
 
     ``mode`` is the block's checkpointing: ``none`` keeps the family's block table, ``full`` only
     the block input, ``selective`` the matmul and attention outputs. ``lora``: the frozen base
     keeps no input for its own weights' gradients (``needed_by``), the adapters keep their
-    rank-wide intermediate (and with dropout, their dropped-out input and its mask).
+    rank-wide intermediate (and with dropout, their dropped-out input and its mask). ``kind``:
+    the block's kind (the family's table for it); None: the table of the average block.
     """
     spec = spec_of(geometry)
     dims = spec.activation_dims(geometry)
+    profile = spec.activation_profile(geometry) if kind is None else spec.kind_activation_profile(geometry, kind)
     if mode == "full":
-        return tokens * dims.hidden_size * FP32
-    profile = spec.activation_profile(geometry)
+        return block_input_bytes(geometry, tokens, batch * caption_length, profile)
     total = 0.0
     adapted = None
     if lora is not None:
@@ -215,33 +220,49 @@ def block_activation_bytes(geometry, tokens: int, batch: int, caption_length: in
     return total
 
 
+def block_input_bytes(geometry, tokens: int, caption_tokens: int, profile) -> float:
+    """What a fully checkpointed block keeps: its input, the rank's video tokens and, where the
+    caption is a stream through the blocks (the MMDiT's text, whole on every SP rank), the
+    caption tokens too, fp32 D-wide."""
+    hidden = spec_of(geometry).activation_dims(geometry).hidden_size
+    return (tokens + (caption_tokens if profile.caption_stream else 0)) * hidden * FP32
+
+
 def activation_bytes(geometry, shape: Shape, parallel: Parallel, precision: Precision,
-                     memory: MemoryConfig, num_blocks: int, lora: Lora | None = None) -> tuple[int, dict]:
-    """Everything forward keeps until backward, on the rank with the most of it."""
+                     memory: MemoryConfig, num_blocks: int, lora: Lora | None = None,
+                     kinds: tuple[str, ...] = ()) -> tuple[int, dict]:
+    """Everything forward keeps until backward, on the rank with the most of it. ``kinds``: each
+    block's kind (``memory.checkpoint_blocks`` counts per kind, and kinds keep different amounts);
+    empty: every block the average one."""
     if parallel.pp > 1:   # one micro-batch at a time, several in flight
         shape = dataclasses.replace(shape, batch=max(1, shape.batch // parallel.microbatches))
     tokens = shape.batch * shape.tokens(geometry) // parallel.sp
     blocks_here = math.ceil(num_blocks / parallel.pp)
-    # Under PP each rank chooses among its own blocks (parallelize() checkpoints the stage
-    # module), so checkpoint_every / checkpoint_fraction count per rank, not over the model.
-    checkpointed = set(memory.checkpointed_blocks(blocks_here))
+    # The first pipeline stage holds the most: its blocks, numbered 0 .. blocks_here-1. Under PP
+    # each rank chooses among its own blocks (parallelize() checkpoints the stage module), so
+    # checkpoint_every / checkpoint_fraction / checkpoint_blocks count per rank, not over the model.
+    kinds_here = tuple(kinds[:blocks_here]) if len(kinds) >= blocks_here else (None,) * blocks_here
+    checkpointed = set(memory.checkpointed_blocks(blocks_here, list(kinds_here)
+                                                  if memory.checkpoint_blocks is not None else None))
     args = (geometry, tokens, shape.batch, shape.caption_length, parallel, precision)
-    per_block = {mode: block_activation_bytes(*args, mode=mode, compression=memory.compression, lora=lora)
-                 for mode in ("none", "full", "selective")}
-    # The first pipeline stage holds the most: its blocks, numbered 0 .. blocks_here-1.
+    per_kind = {kind: {mode: block_activation_bytes(*args, mode=mode, compression=memory.compression, lora=lora,
+                                                    kind=kind) for mode in ("none", "full", "selective")}
+                for kind in dict.fromkeys(kinds_here)}
     modes = [memory.checkpointing if i in checkpointed else "none" for i in range(blocks_here)]
-    kept_blocks = sum(per_block[mode] for mode in modes)
-    if lora is not None and modes and modes[0] == "none":
-        kept_blocks -= tokens * spec_of(geometry).activation_dims(geometry).hidden_size * FP32   # LoRA: the first block's input needs no gradient
+    kept = [per_kind[kind][mode] for kind, mode in zip(kinds_here, modes)]
+    kept_blocks = sum(kept)
+    if lora is not None and modes and modes[0] == "none":   # LoRA: the first block's input needs no gradient
+        profile = spec_of(geometry).activation_profile(geometry)
+        kept_blocks -= block_input_bytes(geometry, tokens, shape.batch * shape.caption_length, profile)
     offloaded = 0.0
     if memory.offload:
         # Offloaded blocks keep nothing on the GPU once their copies finish; count one in flight.
-        plain = [i for i, mode in enumerate(modes) if mode == "none"]
-        offloaded = per_block["none"] * max(0, len(plain) - 1)
-        # A checkpointed block's token input (what full checkpointing keeps) goes to the host too,
+        plain = [bytes_ for bytes_, mode in zip(kept, modes) if mode == "none"]
+        offloaded = sum(plain) - max(plain, default=0.0)
+        # A checkpointed block's input (what full checkpointing keeps) goes to the host too,
         # back one block ahead of its recompute: two on the GPU (parallel/checkpoint_offload.py).
-        checkpointed_here = len(modes) - len(plain)
-        offloaded += per_block["full"] * max(0, checkpointed_here - CHECKPOINT_INPUTS_IN_FLIGHT)
+        inputs = [per_kind[kind]["full"] for kind, mode in zip(kinds_here, modes) if mode != "none"]
+        offloaded += sum(sorted(inputs)[:max(0, len(inputs) - CHECKPOINT_INPUTS_IN_FLIGHT)])
         kept_blocks -= offloaded
     # Outside the blocks, on the whole token grid even under SP (the grid is split before the
     # first block and gathered after the last): the final layer's norm and modulation (2 D per
@@ -259,6 +280,8 @@ def activation_bytes(geometry, shape: Shape, parallel: Parallel, precision: Prec
                           precision, adapted=None if lora is None else set(lora.block_layers)) + gathered
     in_flight = parallel.in_flight if parallel.pp > 1 else 1
     total = int((kept_blocks + outside) * in_flight)
+    # Per block: the largest kind's (the recomputed block and backward's gradients are one block's).
+    per_block = {mode: max(bytes_[mode] for bytes_ in per_kind.values()) for mode in ("none", "full", "selective")}
     return total, {"per_block_plain": int(per_block["none"]), "per_block_full": int(per_block["full"]),
                    "per_block_selective": int(per_block["selective"]), "blocks_on_rank": blocks_here,
                    "checkpointed_blocks": sum(1 for mode in modes if mode != "none"),
@@ -305,7 +328,8 @@ def estimate(geometry, shape: Shape, *, parallel: Parallel = Parallel(),
     optimizer = int(trained * optimizer_bytes_per_param(levers.optimizer) * on_gpu) * experts
     ema_bytes = grads * experts if ema else 0
 
-    activations, detail = activation_bytes(geometry, shape, parallel, precision, memory, counts.depth_blocks, lora)
+    activations, detail = activation_bytes(geometry, shape, parallel, precision, memory, counts.depth_blocks, lora,
+                                           counts.kinds)
     converted = lever_counts.fp8_compute_params / counts.depth_blocks / parallel.tp \
         if levers.fp8_compute and lever_counts is not None else 0.0   # one block's float8 weights
 
@@ -317,13 +341,16 @@ def estimate(geometry, shape: Shape, *, parallel: Parallel = Parallel(),
     if memory.checkpointing != "none":
         temporaries += detail["per_block_plain"] if memory.checkpointing == "full" else 0.5 * detail["per_block_plain"]
     if parallel.shard > 1 or parallel.cpu_offload:
-        # FSDP gathers the current and the prefetched block, and their unsharded gradients.
+        # FSDP gathers the current and the prefetched block, and their unsharded gradients;
+        # without resharding (parallel.reshard_after_forward=false) every block of the rank stays
+        # gathered from its forward until its backward.
+        gathered = 2 if parallel.reshard else max(2, math.ceil(counts.depth_blocks / parallel.pp))
         if lora is None:   # train.fp8 gathers its converted weights in 1 byte (float8 all-gather)
-            temporaries += 2 * ((block_weights - converted) * precision.low_bytes + converted
-                                + block_weights * FP32)
+            temporaries += gathered * ((block_weights - converted) * precision.low_bytes + converted) \
+                + 2 * block_weights * FP32
         else:
-            temporaries += 2 * (block_weights * precision.low_bytes
-                                + lora.block_params / counts.depth_blocks * (precision.low_bytes + FP32))
+            adapters_block = lora.block_params / counts.depth_blocks
+            temporaries += gathered * (block_weights + adapters_block) * precision.low_bytes + 2 * adapters_block * FP32
     elif precision.bf16:
         # autocast keeps a bf16 copy of every fp32 weight it used until backward is done (a
         # LoRA base is bf16 already: only the adapters are copied; train.fp8 casts its converted
@@ -353,7 +380,7 @@ def parallel_from_config(cfg: Config, world_size: int | None = None) -> Parallel
     # GPipe runs every forward before any backward; 1F1B keeps at most pp micro-batches alive.
     in_flight = microbatches if p.pp_schedule == "gpipe" else min(p.pp, microbatches)
     return Parallel(sp=p.sp, tp=p.tp, pp=p.pp, shard=shard, microbatches=microbatches, in_flight=in_flight,
-                    cpu_offload=p.cpu_offload and shard > 1)
+                    cpu_offload=p.cpu_offload and shard > 1, reshard=p.reshard_after_forward)
 
 
 def precision_from_config(cfg: Config, device: str = "cuda") -> Precision:

@@ -63,9 +63,21 @@ class LatentGeometry:
         return cls(48, 4, 16)
 
     @classmethod
+    def hunyuan(cls) -> "LatentGeometry":
+        """HunyuanVideo's causal VAE (Open-Sora 2.0): 16 channels, 8x8 pixels, 4x time after the
+        first frame (4k + 1 frames -> k + 1 = ceil(T / 4))."""
+        return cls(16, 4, 8)
+
+    @classmethod
+    def opensora_dc_ae(cls) -> "LatentGeometry":
+        """Open-Sora 2.0's Video DC-AE (high compression): 128 channels, 32x32 pixels, 4x time
+        (1 frame, or a multiple of 4 from 8: T / 4 = ceil(T / 4))."""
+        return cls(128, 4, 32)
+
+    @classmethod
     def parse(cls, text: str) -> "LatentGeometry":
-        """A known VAE (``KNOWN_LATENTS``: opensora-v1.2, wan2.1, wan2.2) or ``C,FT,FS`` (channels,
-        temporal and spatial compression)."""
+        """A known VAE (``KNOWN_LATENTS``: opensora-v1.2, wan2.1, wan2.2, hunyuan, opensora-dc-ae)
+        or ``C,FT,FS`` (channels, temporal and spatial compression)."""
         if text in KNOWN_LATENTS:
             return KNOWN_LATENTS[text]()
         try:
@@ -81,9 +93,11 @@ class LatentGeometry:
 
 # vae.kind (and --latent) -> the geometry of a VAE the planner knows without loading it.
 KNOWN_LATENTS = {"opensora-v1.2": LatentGeometry.opensora_v12, "wan2.1": LatentGeometry.wan21,
-                 "wan2.2": LatentGeometry.wan22}
+                 "wan2.2": LatentGeometry.wan22, "hunyuan": LatentGeometry.hunyuan,
+                 "opensora-dc-ae": LatentGeometry.opensora_dc_ae}
 # text.kind -> caption channels of an encoder the planner knows (its length is text.max_length).
-KNOWN_CAPTIONS = {"umt5": 4096}   # umT5-XXL's d_model (Wan 2.1)
+KNOWN_CAPTIONS = {"umt5": 4096,      # umT5-XXL's d_model (Wan 2.1)
+                  "t5-clip": 4096}   # T5-XXL's (Open-Sora 2.0; CLIP-L's pooled vector is one per sample)
 
 
 @dataclass
@@ -181,10 +195,12 @@ class Planner:
         m, p, heads = self.memory, self.parallel, self.geometry.num_heads
         if m.checkpointing == "none":
             yield "memory.checkpointing=selective", {"memory": {"checkpointing": "selective"}}
-        if m.checkpointing != "full" or m.checkpoint_every > 1 or m.checkpoint_fraction < 1:
-            yield ("memory.checkpointing=full (all blocks)",
-                   {"memory": {"checkpointing": "full", "checkpoint_every": 1, "checkpoint_fraction": 1.0}})
-        full = {"checkpointing": "full", "checkpoint_every": 1, "checkpoint_fraction": 1.0}
+        # Every block: memory.checkpoint_blocks (first n per kind) gives way to the plain counts.
+        full = {"checkpointing": "full", "checkpoint_every": 1, "checkpoint_fraction": 1.0, "checkpoint_blocks": None}
+        some = m.checkpoint_every > 1 or m.checkpoint_fraction < 1 if m.checkpoint_blocks is None else \
+            len(m.checkpointed_blocks(self.counts.depth_blocks, list(self.counts.kinds))) < self.counts.depth_blocks
+        if m.checkpointing != "full" or some:
+            yield "memory.checkpointing=full (all blocks)", {"memory": full}
         levers, said = {}, []   # the cheap levers, accumulated
         if self.lora is None and self.levers.optimizer == "adamw":
             levers["optimizer"] = "adamw8bit"
@@ -355,7 +371,8 @@ def planner_from_config(cfg: Config, gpu_bytes: int, *, world_size: int | None =
                         encoder_bytes: int | None = None) -> Planner:
     """A planner for ``cfg`` on GPUs of ``gpu_bytes``. Latent and caption geometry come from
     the config's encoders when they are built in (identity VAE, toy text) or known
-    (vae.kind=opensora-v1.2, wan2.1 or wan2.2, text.kind=umt5 at text.max_length tokens); other local
+    (vae.kind=opensora-v1.2, wan2.1, wan2.2, hunyuan or opensora-dc-ae, text.kind=umt5 or t5-clip at
+    text.max_length tokens); other local
     pretrained ones are described with ``latent``/``caption`` instead of being loaded."""
     if cfg.data.cache:   # features are cached: no encoder on the GPU; geometry from the cache when built
         latent, caption, encoder_bytes = *_cached_geometry(cfg, latent, caption), 0
@@ -394,7 +411,8 @@ def _cached_geometry(cfg: Config, latent: LatentGeometry | None,
     if not (Path(cfg.data.cache) / MANIFEST).is_file():
         return latent, caption
     manifest = read_manifest(Path(cfg.data.cache))
-    if latent is None and cfg.vae.kind in ("diffusers", "wan2.1", "wan2.2"):   # what the cache holds, not the released size
+    # What the cache holds, not the released size.
+    if latent is None and cfg.vae.kind in ("diffusers", "wan2.1", "wan2.2", "hunyuan", "opensora-dc-ae"):
         g = manifest["latent"]
         latent = LatentGeometry(g["channels"], g["temporal_compression"], g["spatial_compression"])
     if caption is None and cfg.text.kind != "toy":

@@ -69,6 +69,7 @@ def plan_summary(planner: Planner, gpu_bytes: int) -> str:
             f"{'bf16 autocast' if planner.bf16 else 'fp32'} | checkpointing={m.checkpointing}"
             f"{f' every {m.checkpoint_every}' if m.checkpoint_every > 1 else ''}"
             f"{f' fraction {m.checkpoint_fraction}' if m.checkpoint_fraction < 1 else ''}"
+            f"{''.join(f' {kind} {n}' for kind, n in (m.checkpoint_blocks or {}).items())}"
             f"{' offload' if m.offload else ''}{f' compression={m.compression}' if m.compression != 'none' else ''}"
             f"{''.join(f' {lever}' for lever in planner.levers.describe())} | "
             f"budget {gib(planner.budget)} of {gib(gpu_bytes)} GiB ({planner.margin:.0%} margin)")

@@ -30,8 +30,8 @@ from tqdm import tqdm
 
 from videodit.checkpoint import CheckpointManager, LoadedCheckpoint, checkpoint_name, list_checkpoints
 from videodit.checkpoint.lora import check_base, lora_model, run_base
-from videodit.components import (build_encoders, build_image_encoder, build_model, first_frame_features,
-                                 first_frame_given)
+from videodit.components import (POOLED_TEXT_KINDS, build_encoders, build_image_encoder, build_model,
+                                 first_frame_features, first_frame_given)
 from videodit.config import Config, to_dict, to_yaml
 from videodit.data.dataset import BadFileGuard, Batch
 from videodit.data.feature_cache import CachedBatch, build_cached_training_data
@@ -39,6 +39,7 @@ from videodit.data.loader import build_training_data
 from videodit.data.pixels import to_model_input
 from videodit.diffusion.expert_routing import ExpertRouting
 from videodit.diffusion.frame_mask import FrameConditioning
+from videodit.diffusion.visual_condition import visual_conditioning
 from videodit.diffusion.rectified_flow import RectifiedFlow
 from videodit.errors import UserError, os_error_message
 from videodit.models.flops import train_step_flops
@@ -51,8 +52,9 @@ from videodit.parallel.fp8_base import base_storage_dtype, check_base_dtype
 from videodit.parallel.lora import apply_lora, lora_summary
 from videodit.parallel.block_swap import place_beside_swapped
 from videodit.parallel.parallelize import parallelize
-from videodit.sample import generate, guidance_of, write_clips
+from videodit.sample import generate, guidance_of, takes_condition, write_clips
 from videodit.toy.make import ensure_toy_data
+from videodit.train.caption_dropout import EmptyCaptionDropout
 from videodit.train.ema import EMA
 from videodit.train.loggers import check_loggers
 from videodit.train.metrics import MetricsLogger, Throughput, peak_tflops
@@ -111,6 +113,7 @@ class Trainer:
         # (T5-XXL: 19 GB in fp32) are cast, the VAE's matmuls and convolutions run under autocast
         # (its weights stay fp32, whatever the adapter); the outputs are used in fp32.
         self.encode_in_bf16 = use_bf16 and self.device.type == "cuda" and not cfg.data.cache
+        self.pooled_dropout = EmptyCaptionDropout(self.text, cfg.diffusion, self.encoding)
         if self.encode_in_bf16:
             self.text.to(torch.bfloat16)
         self.flow = RectifiedFlow(cfg.diffusion)
@@ -121,10 +124,13 @@ class Trainer:
             raise UserError(f"diffusion.mask_ratios (Open-Sora 1.2's frame masks) is not supported by the "
                             f"{cfg.model.family} family; remove it")
         model = build_model(cfg, self.vae, self.text)
+        self.visual = visual_conditioning(cfg.diffusion, self.vae, takes_condition(model), cfg.model.family,
+                                          cfg.parallel.pp)   # Open-Sora 2.0's condition_config
         cached_conditions = ()   # an i2v model's given frame (and image features) must be in the cache: one line if not
         if cfg.data.cache:
             cached_conditions = self.data.require_conditions(first_frame=self.spec.takes_first_frame(model.geometry),
-                                                             image=cfg.model.image_dim is not None)
+                                                             image=cfg.model.image_dim is not None,
+                                                             pooled=cfg.text.kind in POOLED_TEXT_KINDS)
         if cfg.model.init_from:
             cfg.model.init_from = expert_init_source(cfg)
         lora_base = None
@@ -147,6 +153,7 @@ class Trainer:
         else:
             model = model.to(self.device)
         loss_fn = self.flow.loss if self.conditioning is None else self.conditioning.loss(self.flow.loss)
+        loss_fn = loss_fn if self.visual is None else self.visual.loss(loss_fn)   # no_i2v_ref_loss
         self.parallel = parallelize(model, self.ctx, cfg.parallel, memory=cfg.memory, loss_fn=loss_fn,
                                     autocast_dtype=torch.bfloat16 if use_bf16 else None,
                                     bucket_batch_sizes={f"{b.resolution}/{b.num_frames}/{b.ratio}": b.batch_size
@@ -332,40 +339,55 @@ class Trainer:
         conditions) and its velocity target; the batch's ``noise_seed`` draws its noise,
         timesteps (within ``time_range`` if given), dropout and frame masks (x_mask only with
         ``diffusion.mask_ratios``)."""
-        x0, y, y_mask, size, given, image = self.features(batch)
+        x0, y, y_mask, pooled, size, given, image = self.features(batch)
         n = x0.shape[0]
         generator = torch.Generator().manual_seed(batch.noise_seed)
-        ratio = self.flow.shift_ratio(size[-2], size[-1], x0.shape[2])
+        ratio = self.flow.shift_ratio(size[-2], size[-1], x0.shape[2], x0.shape[-2:])
         t = self.flow.sample_timesteps(n, ratio, generator, self.device, time_range)
         noise = torch.randn(x0.shape, generator=generator).to(self.device)
         drop = (torch.rand(n, generator=generator) < self.cfg.diffusion.caption_dropout).to(self.device)
-        x_t = self.flow.interpolate(x0, noise, t)
+        if pooled is not None:   # dropped here, to the encoding of "": the model sees no drop flags
+            y, y_mask, pooled = self.pooled_dropout(y, y_mask, pooled, drop, generator)
+            drop = None
+        sigma_min = self.cfg.diffusion.sigma_min
+        x_t = self.flow.interpolate(x0, noise, t, sigma_min)
         height, width = (torch.full((n,), float(side), device=self.device) for side in size[-2:])
         x_mask = None
         if self.conditioning is not None:
             x_t, x_mask = self.conditioning.apply(x_t, x0, generator)
         cond = Conditions(y, y_mask, drop, batch.fps.to(self.device, non_blocking=True), height, width, x_mask,
-                          image=image, given=given)
-        return self.spec.model_inputs(x_t, t, cond), self.flow.velocity_target(x0, noise)
+                          image=image, given=given, pooled=pooled)
+        return self.spec.model_inputs(x_t, t, cond), self.flow.velocity_target(x0, noise, sigma_min)
+
+    def encoding(self):
+        """The context the frozen encoders run in: bf16 autocast where they were cast to bf16."""
+        return (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.encode_in_bf16
+                else contextlib.nullcontext())
 
     def features(self, batch: Batch | CachedBatch) -> tuple:
-        """(x0 latents, caption embeddings, caption mask, (frames, height, width) in pixels, the given
-        first frame's input channels of an i2v model or None, its image features or None) of one
-        micro-batch: encoded here, or read from ``data.cache``."""
+        """(x0 latents, caption embeddings, caption mask, the pooled caption vector or None, (frames,
+        height, width) in pixels, the given first frame's input channels of an i2v model or None, its
+        image features or None) of one micro-batch: encoded here, or read from ``data.cache``."""
         if isinstance(batch, CachedBatch):   # the given frame's mask is derived here, not stored
             first, image = batch.conditions(self.device)
             given = None if first is None else self.spec.first_frame_condition(first)
-            return (*batch.features(self.device), batch.pixels, given, image)
+            x0, *text = batch.features(self.device)
+            given = given if self.visual is None else self.visual.apply(x0, batch.noise_seed)
+            return (x0, *text, batch.pooled_on(self.device), batch.pixels, given, image)
         # uint8, pinned by the loader on GPUs: copied asynchronously, made float in [-1, 1] on the device
         video = to_model_input(batch.video, self.device)
-        encode_autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.encode_in_bf16
-                           else contextlib.nullcontext())
-        with torch.no_grad(), encode_autocast:
-            x0 = self.vae.encode(video).float()
+        with torch.no_grad(), self.encoding():
+            seeded = getattr(self.vae, "sample_posterior", False)   # vae.sample_posterior: a draw seeded by the batch
+            posterior = {"generator": torch.Generator(self.device).manual_seed(batch.noise_seed)} if seeded else {}
+            x0 = self.vae.encode(video, **posterior).float()
             y, y_mask = self.text.encode(batch.text)
+            pooled = self.text.encode_pooled(batch.text)
             given = first_frame_given(self.model, self.vae, video)
+            if self.visual is not None:
+                given = self.visual.apply(x0, batch.noise_seed, video, self.vae.encode)
             image = first_frame_features(self.image_encoder, video)
-        return x0, y.float(), y_mask, tuple(video.shape[-3:]), given, image
+        pooled = None if pooled is None else pooled.float()
+        return x0, y.float(), y_mask, pooled, tuple(video.shape[-3:]), given, image
 
     def batches(self):
         """Batches forever, each with its noise seed; ``state.progress`` (epoch, offset) always
@@ -429,7 +451,7 @@ class Trainer:
         if cfg.model.expert != "both":
             return None
         frames, height, width = self.vae.latent_size(cfg.data.num_frames, cfg.data.height, cfg.data.width)
-        ratio = self.flow.shift_ratio(cfg.data.height, cfg.data.width, frames)
+        ratio = self.flow.shift_ratio(cfg.data.height, cfg.data.width, frames, (height, width))
         return ExpertRouting(self.flow, cfg.model.expert_boundary, ratio, cfg.train.seed)
 
     def _validation_due(self) -> bool:

@@ -58,27 +58,30 @@ class Validator:
                 x0, y, y_mask = batch.features(self.device)
                 size = batch.pixels
                 first, image = batch.conditions(self.device)   # an i2v model's, from the cache
+                pooled = batch.pooled_on(self.device)
                 given = None if first is None else spec_of(model).first_frame_condition(first)
             else:
                 video = to_model_input(batch.video, self.device)
                 x0 = vae.encode(video)
                 y, y_mask = text.encode(batch.text)
+                pooled = text.encode_pooled(batch.text)
                 size = tuple(video.shape[2:])
                 given = first_frame_given(model, vae, video)
                 image = first_frame_features(image_encoder, video)
             n = x0.shape[0]
-            ratio = flow.shift_ratio(size[-2], size[-1], x0.shape[2])
+            ratio = flow.shift_ratio(size[-2], size[-1], x0.shape[2], x0.shape[-2:])
             generator = torch.Generator().manual_seed(index)   # the same noise at every evaluation
             noise = torch.randn(x0.shape, generator=generator).to(self.device)
             keep = torch.zeros(n, dtype=torch.bool, device=self.device)
-            cond = Conditions(y, y_mask, keep, batch.fps.to(self.device), *size[-2:], image=image, given=given)
+            cond = Conditions(y, y_mask, keep, batch.fps.to(self.device), *size[-2:], image=image, given=given,
+                              pooled=pooled)
             loss = 0.0
             for t_value in self.timesteps:
                 t = flow.shift(self._within_range(flow, t_value, ratio, n), ratio).to(self.device)
-                x_t = flow.interpolate(x0, noise, t)
+                x_t = flow.interpolate(x0, noise, t, flow.cfg.sigma_min)
                 with autocast():
                     out = model(*spec_of(model).model_inputs(x_t, t, cond))
-                loss += flow.loss(out, x_t, t, flow.velocity_target(x0, noise)).item()
+                loss += flow.loss(out, x_t, t, flow.velocity_target(x0, noise, flow.cfg.sigma_min)).item()
             name = f"val_loss/{size[0]}x{size[1]}x{size[2]}"
             totals[name] += loss / len(self.timesteps) * n
             counts[name] += n

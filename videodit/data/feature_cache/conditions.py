@@ -9,25 +9,32 @@ clip's first frame (Wan i2v), encoded once like the rest.
   whole tensor is stored.
 * ``image``: the image encoder's features of the first frame (Wan 2.1 I2V's CLIP), ``[tokens,
   dim]`` per sample, as ``components.first_frame_features`` gives them.
+* ``pooled``: not of the frame but of the caption: the pooled vector ``[dim]`` of a text encoder
+  that has one (Open-Sora 2.0's CLIP-L beside T5), as ``encode_pooled`` gives it. Such a cache
+  also holds ``empty_caption.safetensors``, the encoding of "" that caption dropout trains on.
 
 The manifest lists the conditions a cache holds (``conditions``, written only when there are
 any, so a text-to-video cache is byte for byte what it was before this key existed, and caches
-built before it read as holding none), the image features' ``image_geometry`` and, under
-``encoders.image``, the image encoder's identity. This module is a leaf: plain manifest logic.
+built before it read as holding none), the image features' ``image_geometry``, the pooled
+vector's ``pooled_geometry`` and, under ``encoders.image``, the image encoder's identity. This
+module is a leaf: plain manifest logic.
 """
 
 from __future__ import annotations
 
 from videodit.errors import UserError
 
-FIRST_FRAME, IMAGE = "first_frame", "image"
-CONDITIONS = (FIRST_FRAME, IMAGE)   # in this order in manifests and messages
-_WHAT = {FIRST_FRAME: "latents of the given first frames", IMAGE: "image features of the given first frames"}
+FIRST_FRAME, IMAGE, POOLED = "first_frame", "image", "pooled"
+CONDITIONS = (FIRST_FRAME, IMAGE, POOLED)   # in this order in manifests and messages
+EMPTY_CAPTION = "empty_caption.safetensors"   # beside the manifest of a cache holding pooled vectors
+_WHAT = {FIRST_FRAME: "latents of the given first frames", IMAGE: "image features of the given first frames",
+         POOLED: "pooled caption vectors"}
 
 
-def wanted(first_frame: bool, image: bool) -> tuple[str, ...]:
-    """The conditions a model takes: the given first frame's latents and/or its image features."""
-    return tuple(c for c, on in ((FIRST_FRAME, first_frame), (IMAGE, image)) if on)
+def wanted(first_frame: bool, image: bool, pooled: bool = False) -> tuple[str, ...]:
+    """The conditions a model takes: the given first frame's latents and/or its image features,
+    and the pooled caption vector of a text encoder with one."""
+    return tuple(c for c, on in ((FIRST_FRAME, first_frame), (IMAGE, image), (POOLED, pooled)) if on)
 
 
 def held(manifest: dict) -> tuple[str, ...]:
@@ -40,13 +47,15 @@ def describe(conditions) -> str:
 
 
 def manifest_entries(conditions: tuple[str, ...], image_tokens: int | None = None,
-                     image_dim: int | None = None) -> dict:
+                     image_dim: int | None = None, pooled_dim: int | None = None) -> dict:
     """The manifest keys of ``conditions``: none at all for a cache without any."""
     if not conditions:
         return {}
     entries = {"conditions": [c for c in CONDITIONS if c in conditions]}
     if IMAGE in conditions:
         entries["image_geometry"] = {"tokens": int(image_tokens), "dim": int(image_dim)}
+    if POOLED in conditions:
+        entries["pooled_geometry"] = {"dim": int(pooled_dim)}
     return entries
 
 
@@ -66,6 +75,11 @@ def conditions_problem(manifest: dict) -> str | None:
             return "image_geometry is not {tokens, dim} of positive integers"
         if not isinstance(identity, dict) or not isinstance(identity.get("kind"), str):
             return "it holds image features but encoders.image names no image encoder"
+    if POOLED in conditions:
+        geometry = manifest.get("pooled_geometry")
+        dim = geometry.get("dim") if isinstance(geometry, dict) else None
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 1:
+            return "pooled_geometry is not {dim} of a positive integer"
     return None
 
 
@@ -76,6 +90,8 @@ def tensor_shapes(manifest: dict, latent_shape: list[int]) -> dict[str, list[int
     for condition in held(manifest):
         if condition == FIRST_FRAME:
             shapes[condition] = list(latent_shape)
+        elif condition == POOLED:
+            shapes[condition] = [int(manifest["pooled_geometry"]["dim"])]
         else:
             geometry = manifest["image_geometry"]
             shapes[condition] = [int(geometry["tokens"]), int(geometry["dim"])]

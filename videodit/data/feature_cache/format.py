@@ -100,6 +100,8 @@ def _model_files(path: str | None, subfolder: str | None = None, kind: str | Non
     weights = None
     if kind == "umt5" and folder.is_dir():
         weights = _umt5_digest(folder)
+    elif kind == "t5-clip" and folder.is_dir():
+        weights = _t5_clip_digest(folder)
     elif folder.is_dir() or folder.is_file():
         weights = folder_digest(folder)
     return {"path": str(Path(path).expanduser().resolve()), "weights": weights}
@@ -114,6 +116,20 @@ def _umt5_digest(folder: Path) -> str:
         return folder_digest(folder)
     digests = " ".join(folder_digest(part) for part in parts if part.is_dir())
     return hashlib.sha256(digests.encode()).hexdigest()[:16]
+
+
+# The (T5, CLIP) folders text.kind=t5-clip reads inside text.path (models/mmdit/text.py's LAYOUTS).
+_T5_CLIP_LAYOUTS = (("t5", "clip"), ("google/t5-v1_1-xxl", "openai/clip-vit-large-patch14"))
+
+
+def _t5_clip_digest(folder: Path) -> str:
+    """Open-Sora 2.0's text encoders count by the two folders ``text.kind=t5-clip`` reads (its
+    ckpts/ download also holds the MMDiT and the VAEs); any other folder as a whole."""
+    for parts in _T5_CLIP_LAYOUTS:
+        if all((folder / part / "config.json").is_file() for part in parts):
+            digests = " ".join(folder_digest(folder / part) for part in parts)
+            return hashlib.sha256(digests.encode()).hexdigest()[:16]
+    return folder_digest(folder)
 
 
 def _image_encoder_digest(folder: Path) -> str:
@@ -154,6 +170,11 @@ def encoder_identity(cfg: Config) -> dict:
         text["dim"] = cfg.text.dim
     else:
         text.update(dtype=cfg.text.dtype, **_model_files(cfg.text.path, kind=cfg.text.kind))
+    # Recorded only when set, so caches from before these keys still match: both change the features.
+    if not cfg.text.mask:
+        text["mask"] = False
+    if cfg.data.caption_suffix != "none":
+        text["caption_suffix"] = cfg.data.caption_suffix
     image = image_encoder_identity(cfg)   # only for a model with one: other caches keep their manifest
     return {"vae": vae, "text": text, **({"image": image} if image else {})}
 

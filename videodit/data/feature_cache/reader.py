@@ -17,10 +17,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file as load_safetensors
 from torch.utils.data import Dataset
 
-from videodit.data.feature_cache.conditions import FIRST_FRAME, IMAGE
+from videodit.data.feature_cache.conditions import EMPTY_CAPTION, FIRST_FRAME, IMAGE, POOLED
 from videodit.data.feature_cache.format import (FAILED, INDEX, SHARDS, read_manifest, regular, shard_name,
                                                 tensor_key)
 from videodit.data.feature_cache.verify import ShardCheck, ShardDamaged, damaged_message, records_of, top_folder
@@ -239,6 +240,7 @@ class CachedBatch:
     # The given first frame of a model that takes one (conditions.py), None where not asked for:
     first_frame: torch.Tensor | None = None   # [B, C, T', H', W'] float32: latents of the clip with only that frame
     image: torch.Tensor | None = None         # [B, tokens, dim] float32: its image features
+    pooled: torch.Tensor | None = None        # [B, dim] float32: the pooled caption vectors of an encoder with them
 
     def __len__(self) -> int:
         return self.latents.shape[0]
@@ -252,12 +254,16 @@ class CachedBatch:
         """(the given first frame's latents, its image features) on ``device``, each None where absent."""
         return tuple(None if t is None else t.to(device, non_blocking=True) for t in (self.first_frame, self.image))
 
+    def pooled_on(self, device: torch.device) -> torch.Tensor | None:
+        """The pooled caption vectors on ``device``, None where the cache holds none."""
+        return None if self.pooled is None else self.pooled.to(device, non_blocking=True)
+
     def pin_memory(self) -> "CachedBatch":
         def pin(t):
             return None if t is None else t.pin_memory()
         return replace(self, latents=self.latents.pin_memory(), y=self.y.pin_memory(),
                        y_mask=self.y_mask.pin_memory(), fps=self.fps.pin_memory(), first_frame=pin(self.first_frame),
-                       image=pin(self.image))
+                       image=pin(self.image), pooled=pin(self.pooled))
 
 
 class CachedDataset(Dataset):
@@ -298,7 +304,8 @@ def collate_cached(samples: list[dict], max_length: int, dim: int) -> CachedBatc
 
     return CachedBatch(latents=stacked("latent"), y=y, y_mask=mask,
                        fps=torch.tensor([s["fps"] for s in samples], dtype=torch.float32),
-                       pixels=samples[0]["pixels"], first_frame=stacked(FIRST_FRAME), image=stacked(IMAGE))
+                       pixels=samples[0]["pixels"], first_frame=stacked(FIRST_FRAME), image=stacked(IMAGE),
+                       pooled=stacked(POOLED))
 
 
 class Collate:
@@ -312,6 +319,23 @@ class Collate:
 
 
 # --------------------------------------------------------------------------- encoder stand-ins
+
+
+def _read_empty_caption(path: Path, max_length: int, dim: int, pooled_dim: int):
+    """(y [1, max_length, dim], mask [1, max_length], pooled [1, pooled_dim]) of a cache's
+    ``empty_caption.safetensors``, refused in one line when missing or of other shapes."""
+    fix = "rebuild the cache with `videodit cache build CONFIG --out NEW_DIR`"
+    try:
+        check_regular_file(path)
+        tensors = load_safetensors(str(path))
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+        raise UserError(f"{path} (the empty caption that caption dropout trains on) cannot be read "
+                        f"({type(exc).__name__}): {fix}") from None
+    want = {"y": (1, max_length, dim), "mask": (1, max_length), "pooled": (1, pooled_dim)}
+    if {k: tuple(t.shape) for k, t in tensors.items()} != want:
+        raise UserError(f"{path} does not hold the empty caption's y, mask and pooled vector of this cache's sizes "
+                        f"{want}: {fix}")
+    return tensors["y"].float(), tensors["mask"].bool(), tensors["pooled"].float()
 
 
 class CachedVAE:
@@ -343,14 +367,30 @@ class CachedVAE:
 
 
 class CachedTextEncoder:
-    """The caption geometry of a cache (``dim``, ``max_length``); encoding says it was not built."""
+    """The caption geometry of a cache (``dim``, ``max_length``, ``pooled_dim``); encoding says it
+    was not built, except for the empty caption that a cache of pooled vectors stores
+    (``conditions.EMPTY_CAPTION``, what caption dropout trains on)."""
 
-    def __init__(self, manifest: dict):
+    def __init__(self, manifest: dict, folder: Path | None = None):
         self.dim = int(manifest["text_geometry"]["dim"])
         self.max_length = int(manifest["text_geometry"]["max_length"])
+        pooled = POOLED in manifest.get("conditions", ())
+        self.pooled_dim = int(manifest["pooled_geometry"]["dim"]) if pooled else None
+        self.folder = folder
+        self._empty = None
 
     def encode(self, captions):
-        raise UserError("training from data.cache builds no text encoder, so captions cannot be encoded")
+        return self._stored(captions)[:2]
+
+    def encode_pooled(self, captions):
+        return None if self.pooled_dim is None else self._stored(captions)[2]
+
+    def _stored(self, captions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if list(captions) != [""] or self.pooled_dim is None or self.folder is None:
+            raise UserError("training from data.cache builds no text encoder, so captions cannot be encoded")
+        if self._empty is None:
+            self._empty = _read_empty_caption(self.folder / EMPTY_CAPTION, self.max_length, self.dim, self.pooled_dim)
+        return self._empty
 
     def to(self, *args, **kwargs) -> "CachedTextEncoder":
         return self

@@ -74,12 +74,12 @@ class CachedTrainData:
     vae: CachedVAE
     text: CachedTextEncoder
 
-    def require_conditions(self, first_frame: bool, image: bool) -> tuple[str, ...]:
-        """Refuse, in one line, a cache without the given first frame's latents (``first_frame``)
-        or image features (``image``) the model takes; the loader then reads those, and nothing
-        else the cache holds (an i2v cache trains a t2v model too). Returns the conditions read,
-        for the validation set's loader."""
-        needed = wanted(first_frame, image)
+    def require_conditions(self, first_frame: bool, image: bool, pooled: bool = False) -> tuple[str, ...]:
+        """Refuse, in one line, a cache without the given first frame's latents (``first_frame``),
+        image features (``image``) or pooled caption vectors (``pooled``) the model takes; the
+        loader then reads those, and nothing else the cache holds (an i2v cache trains a t2v model
+        too). Returns the conditions read, for the validation set's loader."""
+        needed = wanted(first_frame, image, pooled)
         cache = self.dataset.cache
         require(cache.manifest, needed, str(cache.folder))
         self.dataset.conditions = needed
@@ -102,7 +102,7 @@ def build_cached_training_data(cfg: Config, *, batch_size: int, seed: int, dp_ra
         raise UserError(f"no full batch in epoch 0: {int(counts.sum())} cached samples in view 0, none of the "
                         f"buckets has a batch size's worth x {dp_size} rank(s); lower the batch sizes "
                         f"(`videodit cache info {cache.folder}` shows the samples per bucket)")
-    vae, text = CachedVAE(cache.manifest), CachedTextEncoder(cache.manifest)
+    vae, text = CachedVAE(cache.manifest), CachedTextEncoder(cache.manifest, cache.folder)
     loader = DataLoader(CachedDataset(cache), batch_sampler=sampler, collate_fn=Collate(text.max_length, text.dim),
                         num_workers=cfg.data.num_workers, persistent_workers=cfg.data.num_workers > 0,
                         pin_memory=pin_memory)

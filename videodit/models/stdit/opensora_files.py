@@ -18,18 +18,16 @@ Loading never runs code from the files: safetensors, or ``torch.load(weights_onl
 from __future__ import annotations
 
 import json
-import pickle
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from videodit.errors import UserError, os_error_message
+from videodit.errors import UserError
 from videodit.models.stdit.opensora_stdit import (config_from_weights, from_opensora, geometry_from_opensora,
                                             is_opensora_config, opensora_config, to_opensora)
 from videodit.models.stdit.model import DiTGeometry, STDiT
-from videodit.user_files import NotRegularFile, check_regular_file, read_user_json
+from videodit.models.weight_files import read_json, read_weights
 
 WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -46,7 +44,7 @@ def opensora_layout(path: str | Path) -> str | None:
         return None
     config = path / "config.json"
     if config.exists():
-        return "folder" if is_opensora_config(_read_json(config)) else None
+        return "folder" if is_opensora_config(read_json(config)) else None
     if (path / "model").is_dir() or (path / "ema.pt").is_file() or (path / "running_states.json").is_file():
         return "checkpoint"
     if any((path / name).is_file() for name in (*INDEX_NAMES, "pytorch_model.bin")):
@@ -59,16 +57,16 @@ def read_opensora(path: str | Path, ema: bool = False) -> tuple[dict, dict[str, 
     path = Path(path)
     layout = opensora_layout(path)
     if layout == "folder":
-        return _read_json(path / "config.json"), _read_folder_weights(path)
+        return read_json(path / "config.json"), _read_folder_weights(path)
     if layout is None:
         raise UserError(f"{path} is not an Open-Sora STDiT3 layout: pass an STDiT3 folder (config.json with "
                         "model_type STDiT3 + model.safetensors) or an Open-Sora 1.2 training checkpoint")
     if path.is_file():
-        state = _read_weights(path)
+        state = read_weights(path)
     elif ema:
         if not (path / "ema.pt").is_file():
             raise UserError(f"{path} has no ema.pt; import its model/ weights (leave out --ema)")
-        state = _read_weights(path / "ema.pt")
+        state = read_weights(path / "ema.pt")
     else:
         folder = path / "model" if (path / "model").is_dir() else path
         if not any((folder / n).is_file() for n in (*INDEX_NAMES, *SINGLE_NAMES)) and (path / "ema.pt").is_file():
@@ -127,54 +125,22 @@ def save_opensora(model: STDiT, folder: str | Path, dtype: torch.dtype | None = 
 
 # ---------------------------------------------------------------------------- reading files
 
-def _read_json(file: Path):
-    try:
-        return read_user_json(file)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise UserError(f"{file} is not valid JSON ({exc}); restore it from the original download") from None
-
-
 def _read_folder_weights(folder: Path) -> dict[str, torch.Tensor]:
     """The weights of a folder: one file, or the shards a ``*.index.json`` names."""
     for index_name in INDEX_NAMES:
         if (folder / index_name).exists():
-            weight_map = _read_json(folder / index_name).get("weight_map")
+            weight_map = read_json(folder / index_name).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise UserError(f"{folder / index_name} has no weight_map; restore it from the original checkpoint")
             state = {}
             for name in sorted(set(weight_map.values())):
                 if Path(name).name != name:   # shards live beside their index
                     raise UserError(f"{folder / index_name} names a shard outside its folder ({name!r})")
-                state.update(_read_weights(folder / name))
+                state.update(read_weights(folder / name))
             return state
     for name in SINGLE_NAMES:
         if (folder / name).exists():   # a FIFO in its place is refused when read
-            return _read_weights(folder / name)
+            return read_weights(folder / name)
     raise UserError(f"{folder} holds no weights (model.safetensors, pytorch_model.bin or a *.index.json with "
                     "shards); pass the folder Open-Sora wrote")
 
-
-def _read_weights(file: Path) -> dict[str, torch.Tensor]:
-    """A state dict from safetensors or a weights-only torch file; Open-Sora's {"ema": ...} unwrapped
-    and a DDP ``module.`` prefix dropped."""
-    try:
-        if file.suffix == ".safetensors":
-            state = load_file(str(check_regular_file(file)))
-        else:
-            state = torch.load(check_regular_file(file), map_location="cpu", weights_only=True)
-    except NotRegularFile as exc:
-        raise UserError(os_error_message(exc)) from None
-    except pickle.UnpicklingError:
-        raise UserError(f"{file} holds objects other than tensors, which videodit refuses to unpickle; save the "
-                        "state dict alone (torch.save(model.state_dict(), ...)) or as safetensors") from None
-    except (SafetensorError, RuntimeError, OSError, EOFError, ValueError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise UserError(f"{file} cannot be read as weights ({first}); restore it from the original "
-                        "checkpoint") from None
-    if isinstance(state, dict) and isinstance(state.get("ema"), dict):   # as Open-Sora's reparameter does
-        state = state["ema"]
-    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
-        raise UserError(f"{file} is not a state dict of tensors; pass Open-Sora's model weights")
-    if state and all(name.startswith("module.") for name in state):
-        state = {name[len("module."):]: t for name, t in state.items()}
-    return state

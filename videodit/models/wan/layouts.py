@@ -23,13 +23,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from videodit.errors import UserError, os_error_message
+from videodit.errors import UserError
 from videodit.models.wan.experts import expert_folder, is_experts_folder
 from videodit.models.wan.model import I2V_MASK_CHANNELS, MODEL_TYPES, WanDiT, WanGeometry
-from videodit.user_files import NotRegularFile, check_regular_file, read_user_json
+from videodit.models.weight_files import LazyTensors, open_safetensors, read_json
+from videodit.user_files import read_user_json
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -189,56 +189,6 @@ def diffusers_config(g: WanGeometry) -> dict:
 
 # ---------------------------------------------------------------------------- reading
 
-class LazyTensors(Mapping):
-    """The tensors of safetensors files under Wan's names, read one at a time on access.
-
-    ``shape(name)`` reads only the header; ``tensors[name]`` reads that one tensor."""
-
-    def __init__(self, sources: dict[str, tuple[Path, str]]):
-        self.sources = sources   # Wan name -> (file, name in the file)
-        self._handles: dict[Path, object] = {}
-
-    def _handle(self, file: Path):
-        if file not in self._handles:
-            self._handles[file] = _open(file)
-        return self._handles[file]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        file, key = self.sources[name]
-        return tuple(self._handle(file).get_slice(key).get_shape())
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        file, key = self.sources[name]
-        return self._handle(file).get_tensor(key)
-
-    def __iter__(self):
-        return iter(self.sources)
-
-    def __len__(self):
-        return len(self.sources)
-
-    def close(self) -> None:
-        self._handles.clear()
-
-
-def _open(file: Path):
-    try:
-        return safe_open(str(check_regular_file(file)), framework="pt")
-    except NotRegularFile as exc:
-        raise UserError(os_error_message(exc)) from None
-    except (SafetensorError, OSError, ValueError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise UserError(f"{file} cannot be read as safetensors ({first}); restore it from the original "
-                        "download") from None
-
-
-def _read_json(file: Path):
-    try:
-        return read_user_json(file)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise UserError(f"{file} is not valid JSON ({exc}); restore it from the original download") from None
-
-
 def _model_folder(path: Path) -> Path:
     """The folder holding the DiT: ``path`` itself, or a diffusers pipeline's ``transformer/``; a
     two-expert model (Wan 2.2 A14B) is refused, never read as its first expert alone."""
@@ -269,7 +219,7 @@ def is_wan_folder(path: str | Path) -> bool:
 
 def _weight_files(folder: Path) -> list[Path]:
     if (folder / INDEX_NAME).exists():
-        weight_map = _read_json(folder / INDEX_NAME).get("weight_map")
+        weight_map = read_json(folder / INDEX_NAME).get("weight_map")
         if not isinstance(weight_map, dict):
             raise UserError(f"{folder / INDEX_NAME} has no weight_map; restore it from the original download")
         files = []
@@ -294,7 +244,7 @@ def read_wan_folder(path: str | Path) -> tuple[WanGeometry, LazyTensors]:
     if not config_file.exists():
         raise UserError(f"{path} has no {CONFIG_NAME}; pass a Wan 2.1 or 2.2 folder (Wan's original download, a diffusers "
                         "WanTransformer3DModel folder, or a diffusers Wan pipeline)")
-    config = _read_json(config_file)
+    config = read_json(config_file)
     layout = _layout_of(config)
     if layout is None:
         raise UserError(f"{config_file} is neither Wan's WanModel config nor diffusers' WanTransformer3DModel "
@@ -302,7 +252,7 @@ def read_wan_folder(path: str | Path) -> tuple[WanGeometry, LazyTensors]:
     rename = wan_name if layout == "diffusers" else (lambda name: name)
     sources = {}
     for file in _weight_files(folder):
-        for key in _open(file).keys():
+        for key in open_safetensors(file).keys():
             sources[rename(key)] = (file, key)
     tensors = LazyTensors(sources)
     if layout == "wan":

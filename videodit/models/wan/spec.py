@@ -17,7 +17,7 @@ from torch import nn
 
 from videodit.errors import UserError
 from videodit.models.flop_count import FlopCount
-from videodit.models.spec import ActivationDims, Conditions, ModelSpec, TensorParallelPlan
+from videodit.models.spec import ActivationDims, Conditions, ModelSpec, TensorParallelPlan, check_ulysses_ring
 from videodit.models.wan import flops, layouts
 from videodit.models.wan.experts import expert_folder, is_experts_folder
 from videodit.models.wan.model import I2V_MASK_CHANNELS, WanDiT, WanGeometry, unpatchify
@@ -54,8 +54,8 @@ class WanSpec(ModelSpec):
         return build_wan_vae(path, subfolder, scaling_factor=scaling_factor, micro_batch=micro_batch, dtype=dtype,
                              kind=kind)
 
-    def build_text_encoder(self, kind, path, max_length, dtype):
-        """umT5-XXL, 512 tokens unless ``text.max_length`` says otherwise."""
+    def build_text_encoder(self, kind, path, max_length, dtype, mask=True):
+        """umT5-XXL, 512 tokens unless ``text.max_length`` says otherwise; always with its mask."""
         from videodit.models.wan.text import load_umt5   # transformers, only when asked
         return load_umt5(path, max_length=max_length or 512, dtype=dtype)
 
@@ -233,18 +233,8 @@ class WanSpec(ModelSpec):
         return [(x, [0, 1]), (e0, [0, 1] if e0.dim() == 4 else [0]), (context, [0]), (rope, [0])]
 
     def check_sequence_parallel(self, num_heads: int, *, tp: int, sp: int, ring: int) -> None:
-        """sp = Ulysses x ring: Ulysses splits each TP rank's heads sp/ring ways; ring attention
-        (``parallel.sp_ring``) takes any size."""
-        divisors = [d for d in range(1, sp + 1) if sp % d == 0]
-        if ring < 1 or sp % ring:
-            raise UserError(f"parallel.sp_ring={ring} does not divide parallel.sp={sp}; valid: "
-                            f"{', '.join(map(str, divisors))}")
-        ulysses, heads = sp // ring, num_heads // tp
-        if heads % ulysses:
-            valid = [r for r in divisors if heads % (sp // r) == 0]
-            raise UserError(f"parallel.sp={sp} with parallel.sp_ring={ring} leaves {ulysses} Ulysses ranks, which "
-                            f"do not divide the {heads} attention heads per tensor-parallel rank; valid "
-                            f"parallel.sp_ring: {', '.join(map(str, valid))} (sp_ring={sp}: ring only, any head count)")
+        """sp = Ulysses x ring over all video tokens."""
+        check_ulysses_ring(num_heads, tp=tp, sp=sp, ring=ring)
 
     # ------------------------------------------------------------------ FLOPs, memory
 
