@@ -1,11 +1,16 @@
 """Open-Sora 2.0's autoencoders (``vae.kind=hunyuan``, ``vae.kind=opensora-dc-ae``) against
 Open-Sora's own code, through the fixtures of scripts/make_opensora2_vae_fixtures.py: tiny
 random-weight networks, Open-Sora's encodes (mode and a seeded posterior sample) and decodes,
-untiled and with its spatial/temporal tiling."""
+untiled and with its spatial/temporal tiling. The networks' weights are not stored: they are
+redrawn from the seed in the io files' metadata and written to a temporary folder."""
 
 from __future__ import annotations
 
+import atexit
 import json
+import math
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,9 +26,6 @@ from videodit.models.mmdit.vae import build_opensora2_vae
 from videodit.models.vae import build_vae, vae_kinds
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "opensora2"
-HUNYUAN_FOLDER = FIXTURES / "vae_hunyuan"
-HUNYUAN_FILE = HUNYUAN_FOLDER / "diffusion_pytorch_model.safetensors"
-DC_AE_FILE = FIXTURES / "dc_ae.safetensors"
 TOLERANCE = 1e-5   # fp32, relative to the output's largest value
 
 
@@ -35,6 +37,41 @@ def _metadata(file: Path) -> dict:
 HUNYUAN_META = _metadata(FIXTURES / "vae_hunyuan_io.safetensors")
 DC_AE_META = _metadata(FIXTURES / "dc_ae_io.safetensors")
 DC_AE_CASES = json.loads(DC_AE_META["cases"])
+HUNYUAN_CLIPS = json.loads(HUNYUAN_META["clips"])
+
+
+def random_weights(recipe: dict) -> dict[str, torch.Tensor]:
+    """The fixture script's weights (its random_weights and shrink_output), redrawn bit for bit:
+    bf16-representable draws in name order from one seed, the output conv scaled."""
+    gen = torch.Generator().manual_seed(recipe["seed"])
+    out = {}
+    for name in sorted(recipe["shapes"]):
+        shape = tuple(recipe["shapes"][name])
+        noise = torch.randn(shape, generator=gen)
+        if len(shape) == 1 and name.endswith(("weight", "gamma", "scale")):
+            value = 1.0 + 0.1 * noise
+        elif len(shape) == 1:
+            value = 0.1 * noise
+        else:
+            value = noise / math.prod(shape[1:]) ** 0.5
+        value = value.to(torch.bfloat16).float()
+        if name.startswith(recipe["out_conv"] + "."):
+            value = (value * recipe["out_scale"]).to(torch.bfloat16).float()
+        out[name] = value.to(torch.bfloat16)   # stored bf16, as the release files are read
+    return out
+
+
+# The weight files, written once per session: the Hunyuan VAE as a diffusers folder (the
+# fixture's config.json), whose weights file is also Open-Sora's single-file layout.
+WEIGHTS = Path(tempfile.mkdtemp(prefix="videodit-opensora2-vae-"))
+atexit.register(shutil.rmtree, WEIGHTS, ignore_errors=True)
+HUNYUAN_FOLDER = WEIGHTS / "vae_hunyuan"
+HUNYUAN_FILE = HUNYUAN_FOLDER / "diffusion_pytorch_model.safetensors"
+DC_AE_FILE = WEIGHTS / "dc_ae.safetensors"
+HUNYUAN_FOLDER.mkdir()
+shutil.copy(FIXTURES / "vae_hunyuan" / "config.json", HUNYUAN_FOLDER / "config.json")
+save_file(random_weights(json.loads(HUNYUAN_META["weights"])), str(HUNYUAN_FILE))
+save_file(random_weights(json.loads(DC_AE_META["weights"])), str(DC_AE_FILE))
 
 
 def rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -49,7 +86,8 @@ def clip(seed: int, shape) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def hunyuan_io():
-    return load_file(str(FIXTURES / "vae_hunyuan_io.safetensors"))
+    io = load_file(str(FIXTURES / "vae_hunyuan_io.safetensors"))
+    return {**io, **{name: clip(seed, shape) for name, (seed, shape) in HUNYUAN_CLIPS.items()}}
 
 
 @pytest.fixture(scope="module")
