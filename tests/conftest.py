@@ -10,6 +10,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
 
 
+@pytest.fixture(autouse=True)
+def _decoder_of_the_process_restored():
+    """Training makes its resolved ``data.decoder`` the process's (``use_decoder``): one test's
+    choice (torchcodec where it loads) must not decide how later tests read videos."""
+    from videodit.data import decoder_choice
+    before = decoder_choice.current_decoder()
+    yield
+    decoder_choice.use_decoder(before)
+
+
 @pytest.fixture(scope="module")
 def no_network():
     """HF offline mode plus a socket guard: any network attempt fails the test loudly."""

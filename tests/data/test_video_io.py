@@ -197,6 +197,7 @@ def test_indices_give_exactly_the_frames_of_a_full_decode(tmp_path, keyint, pts,
 
 
 def test_scratch_reads_give_the_same_frames_in_one_reused_buffer(tmp_path):
+    """PyAV's window reads (torchcodec's decode into tensors of their own)."""
     path = tmp_path / "clip.mp4"
     encode_h264(path, moving_frames(40, 32, 48), keyint=8)
     full, _ = read_video(path)
