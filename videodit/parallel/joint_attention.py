@@ -40,8 +40,8 @@ from torch import nn
 
 from videodit.models.layers import SDPA
 from videodit.parallel.full_attention import FullAttentionBackend, FullAttentionSP, SequenceDim, _attention_modules
-from videodit.parallel.ring_attention import (_arrived, _block_keys, _pass_on, accumulation_dtype, block_backward,
-                                              block_forward, merge, pick_kernel, ring_backward, valid_keys)
+from videodit.parallel.ring_attention import (accumulation_dtype, block_backward, block_forward, merge, pick_kernel,
+                                              ring_backward, ring_forward)
 from videodit.parallel.sequence import _AllToAll
 
 
@@ -107,20 +107,8 @@ class _JointRingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, text_k, text_v, image_k, image_v, bias, group, length: int, scale: float):
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        block_len, kernel = image_k.shape[2], pick_kernel(q)
-        kv = torch.stack((image_k, image_v))
-        out = lse = None
-        aux = ()
-        for step in range(size):
-            pending = _pass_on(kv, group) if step + 1 < size else None
-            valid = valid_keys(length, (rank - step) % size, block_len)
-            if valid:
-                block_out, block_lse, block_aux = block_forward(q, *_block_keys(kv, valid), scale, kernel)
-                aux = aux or block_aux
-                out, lse = merge(out, lse, block_out, block_lse)
-            if pending is not None:
-                kv = _arrived(pending)
+        kernel = pick_kernel(q)
+        out, lse, aux = ring_forward(q, image_k, image_v, group, length, scale, kernel)
         # The caption last: the image keys always hold a real token, so the LSE is finite even
         # where every caption key is masked.
         text_out, text_lse, text_aux = _text_forward(q, text_k, text_v, bias, scale, kernel)

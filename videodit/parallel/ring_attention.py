@@ -137,23 +137,31 @@ def _arrived(pending) -> torch.Tensor:
     return received
 
 
+def ring_forward(q, k, v, group, length: int, scale: float, kernel: str):
+    """The ring's forward: q [B, H, Lq, Dh] over this rank's key/value block k, v [B, H, block, Dh]
+    and the others', which arrive around the ring (of ``length`` true keys in all); returns the
+    merged output (accumulation dtype), its log-sum-exp and the kernel's auxiliary state."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    block_len, kv = k.shape[2], torch.stack((k, v))   # one message per step
+    out = lse = None
+    aux = ()
+    for step in range(size):
+        pending = _pass_on(kv, group) if step + 1 < size else None
+        valid = valid_keys(length, (rank - step) % size, block_len)
+        if valid:
+            block_out, block_lse, block_aux = block_forward(q, *_block_keys(kv, valid), scale, kernel)
+            aux = aux or block_aux
+            out, lse = merge(out, lse, block_out, block_lse)
+        if pending is not None:
+            kv = _arrived(pending)
+    return out, lse, aux
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, length: int, scale: float):
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        block_len, kernel = q.shape[2], pick_kernel(q)
-        kv = torch.stack((k, v))   # one message per step
-        out = lse = None
-        aux = ()
-        for step in range(size):
-            pending = _pass_on(kv, group) if step + 1 < size else None
-            valid = valid_keys(length, (rank - step) % size, block_len)
-            if valid:
-                block_out, block_lse, block_aux = block_forward(q, *_block_keys(kv, valid), scale, kernel)
-                aux = aux or block_aux
-                out, lse = merge(out, lse, block_out, block_lse)
-            if pending is not None:
-                kv = _arrived(pending)
+        kernel = pick_kernel(q)
+        out, lse, aux = ring_forward(q, k, v, group, length, scale, kernel)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.length, ctx.scale, ctx.kernel, ctx.aux = group, length, scale, kernel, aux
