@@ -79,19 +79,24 @@ class _FusedColwise(ColwiseParallel):
         self.chunks = _fused_chunks(sizes)
 
     def _partition_linear_fn(self, name, module, device_mesh):
-        # The bias stays whole: FSDP2 cannot shard a dim TP already strides (the weight it
-        # shards along its inputs, see fsdp_placement); each rank adds its slice of it.
-        weight = distribute_tensor(module.weight, device_mesh, [_StridedShard(0, split_factor=self.chunks)])
-        module.register_parameter("weight", nn.Parameter(weight, requires_grad=module.weight.requires_grad))
-        if getattr(module, "bias", None) is not None:
-            bias = distribute_tensor(module.bias, device_mesh, [Replicate()])
-            module.register_parameter("bias", nn.Parameter(bias, requires_grad=module.bias.requires_grad))
+        _shard_fused_weight(module, device_mesh, 0, self.chunks)
 
     def _apply(self, module, device_mesh):
         return distribute_module(module, device_mesh, self._partition_linear_fn,
                                  functools.partial(self._prepare_input_fn, self.input_layouts,
                                                    self.desired_input_layouts),
                                  lambda mod, outputs, mesh: outputs.to_local())
+
+
+def _shard_fused_weight(module: nn.Module, device_mesh, dim: int, chunks: int) -> None:
+    """A fused linear's weight sharded along ``dim`` (0: outputs, 1: inputs), each rank taking its
+    slice of every part; the bias stays replicated (FSDP2 cannot shard a dim TP already strides,
+    see fsdp_placement)."""
+    weight = distribute_tensor(module.weight, device_mesh, [_StridedShard(dim, split_factor=chunks)])
+    module.register_parameter("weight", nn.Parameter(weight, requires_grad=module.weight.requires_grad))
+    if getattr(module, "bias", None) is not None:
+        bias = distribute_tensor(module.bias, device_mesh, [Replicate()])
+        module.register_parameter("bias", nn.Parameter(bias, requires_grad=module.bias.requires_grad))
 
 
 class _FusedRowwise(RowwiseParallel):
@@ -105,11 +110,7 @@ class _FusedRowwise(RowwiseParallel):
         self.chunks = chunks
 
     def _partition_linear_fn(self, name, module, device_mesh):
-        weight = distribute_tensor(module.weight, device_mesh, [_StridedShard(1, split_factor=self.chunks)])
-        module.register_parameter("weight", nn.Parameter(weight, requires_grad=module.weight.requires_grad))
-        if getattr(module, "bias", None) is not None:
-            bias = distribute_tensor(module.bias, device_mesh, [Replicate()])
-            module.register_parameter("bias", nn.Parameter(bias, requires_grad=module.bias.requires_grad))
+        _shard_fused_weight(module, device_mesh, 1, self.chunks)
 
     def _apply(self, module, device_mesh):
         return distribute_module(module, device_mesh, self._partition_linear_fn,
