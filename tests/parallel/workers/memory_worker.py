@@ -21,8 +21,11 @@ def main(spec_json: str) -> None:
         measured = measure_trainer(trainer, synthetic_batch(batch, frames, height, width))
         planner = planner_from_config(cfg, gpu_bytes=1, world_size=trainer.ctx.world_size)
         predicted = planner.estimate(batch, frames, height, width)
-        print(json.dumps({"rank": trainer.ctx.rank, "measured": measured.as_dict(),
-                          "predicted": predicted.as_dict()}), flush=True)
+        # One write of the whole line (under PIPE_BUF): the ranks share stdout, and print's separate
+        # newline let two ranks' lines run together.
+        sys.stdout.write(json.dumps({"rank": trainer.ctx.rank, "measured": measured.as_dict(),
+                                     "predicted": predicted.as_dict()}) + "\n")
+        sys.stdout.flush()
         ctx = trainer.ctx
         del trainer   # its gloo groups go before Python's teardown (see DistContext.close)
         ctx.close()
