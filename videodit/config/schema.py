@@ -61,6 +61,12 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                        patch_size=[1, 2, 2], axes_dim=[4, 14, 14]),
     "mmdit-S": dict(family="mmdit", depth=6, depth_single=12, hidden_size=384, num_heads=6, mlp_ratio=4.0,
                     patch_size=[1, 2, 2], axes_dim=[8, 28, 28]),
+    # Lightricks' LTX-2 (models/ltx2/): the video stream's depth, width and heads; the release each preset
+    # is (2.0: 18,876,174,592 parameters; 2.3: 18,988,838,144; the audio stream included) lives in
+    # models/ltx2/spec.py. ltx2-tiny is LTX-2.3's shape at test size.
+    "ltx2-19b": dict(family="ltx2", depth=48, hidden_size=4096, num_heads=32, mlp_ratio=4.0, patch_size=[1, 1, 1]),
+    "ltx2.3-22b": dict(family="ltx2", depth=48, hidden_size=4096, num_heads=32, mlp_ratio=4.0, patch_size=[1, 1, 1]),
+    "ltx2-tiny": dict(family="ltx2", depth=2, hidden_size=32, num_heads=2, mlp_ratio=4.0, patch_size=[1, 1, 1]),
 }
 # The model options a preset may set, where it does not: videodit's own behaviour.
 MODEL_OPTION_DEFAULTS: dict[str, Any] = dict(family="stdit", position_embedding="videodit", null_caption_mask="full",
@@ -89,10 +95,11 @@ class ModelConfig:
                       "options, for its weights) of the STDiT family; wan-tiny, wan2.1-t2v-1.3b, wan2.1-t2v-14b, "
                       "wan2.1-i2v-14b, wan2.2-ti2v-5b, wan2.2-t2v-a14b or wan2.2-i2v-a14b (one expert) of the Wan "
                       "family; mmdit-tiny, mmdit-S, opensora-v2 or opensora-v2-hc of the MMDiT family (Open-Sora "
-                      "2.0); fields set below override it", choices=tuple(MODEL_PRESETS))
-    family: Optional[str] = opt(None, "model family: stdit (Open-Sora 1.2), wan (Wan 2.1) or mmdit (Open-Sora 2.0) "
-                                "(default: the preset's; it must agree with the preset)",
-                                choices=("stdit", "wan", "mmdit"))
+                      "2.0); ltx2-tiny, ltx2-19b (LTX-2.0) or ltx2.3-22b (LTX-2.3) of the LTX-2 family; fields set "
+                      "below override it", choices=tuple(MODEL_PRESETS))
+    family: Optional[str] = opt(None, "model family: stdit (Open-Sora 1.2), wan (Wan 2.1), mmdit (Open-Sora 2.0) "
+                                "or ltx2 (LTX-2) (default: the preset's; it must agree with the preset)",
+                                choices=("stdit", "wan", "mmdit", "ltx2"))
     depth: Optional[int] = opt(None, "number of spatial+temporal block pairs (STDiT), blocks (Wan) or double-stream "
                                "blocks (MMDiT) (default: from preset)", min=1)
     hidden_size: Optional[int] = opt(None, "transformer width (default: from preset)", min=1)
@@ -408,7 +415,11 @@ LORA_TARGETS = {"stdit": ["attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc1", 
                 "mmdit": ["img_attn.q_proj", "img_attn.k_proj", "img_attn.v_proj", "img_attn.proj",
                           "txt_attn.q_proj", "txt_attn.k_proj", "txt_attn.v_proj", "txt_attn.proj",
                           "img_mlp.0", "img_mlp.2", "txt_mlp.0", "txt_mlp.2",
-                          "q_proj", "k_proj", "v_mlp", "linear2"]}
+                          "q_proj", "k_proj", "v_mlp", "linear2"],
+                # LTX-2: LTX's trainer's to_q/to_k/to_v/to_out.0, on the video stream's self- and text
+                # attentions (the audio stream is not trained yet)
+                "ltx2": [f"{attention}.{projection}" for attention in ("attn1", "attn2")
+                         for projection in ("to_q", "to_k", "to_v", "to_out.0")]}
 
 
 @dataclass

@@ -14,10 +14,11 @@ from videodit.models.spec import ModelSpec
 
 @cache
 def families() -> dict[str, ModelSpec]:
+    from videodit.models.ltx2.spec import LTX2Spec
     from videodit.models.mmdit.spec import MMDiTSpec
     from videodit.models.stdit.spec import StditSpec
     from videodit.models.wan.spec import WanSpec
-    return {spec.family: spec for spec in (StditSpec(), WanSpec(), MMDiTSpec())}
+    return {spec.family: spec for spec in (StditSpec(), WanSpec(), MMDiTSpec(), LTX2Spec())}
 
 
 # Families whose released layout takes any weights file (Open-Sora 1.2's checkpoints: one .pt or

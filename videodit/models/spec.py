@@ -265,6 +265,11 @@ class ModelSpec:
         (one of ``export_formats``)."""
         raise NotImplementedError
 
+    def export_metadata(self, fmt: str, geometry) -> dict[str, str]:
+        """The safetensors metadata of the weights file :meth:`export_released` names (LTX-2's
+        release format carries its configuration there)."""
+        return {"format": "pt"}
+
     # ------------------------------------------------------------------ its encoders
 
     vae_kinds: tuple[str, ...] = ()    # vae.kind values of the family's own VAEs
