@@ -6,7 +6,7 @@ each comparison records its deviation, none fails) with a given Python and threa
 ``report`` takes the records of several environments and prints, per comparison, the worst
 deviation, its bound and their ratio, flagging bounds less than ``--factor`` (10) above it.
 
-    python scripts/measure_deviations.py run --out /tmp/dev-a.jsonl [--python PY] [--threads 1]
+    python scripts/measure_deviations.py run --out /tmp/dev-a.jsonl [--python PY] [--threads 1] [--isa avx2]
     python scripts/measure_deviations.py report /tmp/dev-*.jsonl
 """
 
@@ -21,6 +21,12 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# Other CPUs on this one: torch's vectorised kernels, MKL's and oneDNN's code paths capped at an
+# older instruction set (an AVX2-only machine; a machine with neither AVX2 nor AVX-512).
+ISAS = {"native": {},
+        "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+        "default": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+                    "ONEDNN_MAX_CPU_ISA": "SSE41"}}
 
 
 def instrumented_tests() -> list[str]:
@@ -31,13 +37,13 @@ def instrumented_tests() -> list[str]:
 def run(args) -> None:
     out = Path(args.out).resolve()
     out.unlink(missing_ok=True)
-    env = {**os.environ, "VIDEODIT_DEVIATIONS": str(out), "OMP_NUM_THREADS": str(args.threads)}
+    env = {**os.environ, **ISAS[args.isa], "VIDEODIT_DEVIATIONS": str(out), "OMP_NUM_THREADS": str(args.threads)}
     probe = "import torch, importlib.metadata as m; print(torch.__version__, m.version('transformers'), torch.get_num_threads())"
     version = subprocess.run([args.python, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout.split()
     tests = instrumented_tests()
     print(f"torch {version[0]}, transformers {version[1]}, {version[2]} threads: {len(tests)} files", flush=True)
     subprocess.run([args.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=ROOT, env=env)
-    environment = f"torch {version[0]} / transformers {version[1]} / {args.threads} thr"
+    environment = f"torch {version[0]} / transformers {version[1]} / {args.threads} thr / {args.isa}"
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     out.write_text("".join(json.dumps({**r, "env": environment}) + "\n" for r in lines))
     print(f"{len(lines)} comparisons -> {out}")
@@ -73,6 +79,7 @@ def main() -> None:
     r.add_argument("--out", required=True)
     r.add_argument("--python", default=sys.executable)
     r.add_argument("--threads", type=int, default=2)
+    r.add_argument("--isa", choices=sorted(ISAS), default="native", help="emulate a CPU with fewer instructions")
     p = sub.add_parser("report")
     p.add_argument("files", nargs="+")
     p.add_argument("--factor", type=float, default=10.0)

@@ -5,9 +5,10 @@ import sys
 import pytest
 import torch
 
-# Tests run offline and small: two threads, no hub access.
+# Tests run offline and small: two threads (or OMP_NUM_THREADS where it is set: the suite must
+# pass with one thread as well), no hub access.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 2))
 
 
 @pytest.fixture(autouse=True)

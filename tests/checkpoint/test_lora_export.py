@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import tiny_overrides
+from tolerance import assert_close, relative
 from videodit.checkpoint.tools import write_model_folder
 from videodit.cli import main
 from videodit.components import model_geometry
@@ -28,6 +29,9 @@ from videodit.models.families import get_spec
 from videodit.train.trainer import Trainer
 
 COMFYUI = json.loads((Path(__file__).parents[1] / "fixtures" / "comfyui" / "wan.json").read_text())
+# An adapted model's output against videodit's merged model, relative to its max: ten times the worst
+# deviation measured across CPUs, thread counts and releases (3.1e-6, diffusers' pipeline; docs/testing.md).
+MERGED = 5e-5
 # As tests/train/test_wan_train.py, with the tiny pipeline's encoders and diffusers' 512 caption tokens.
 WAN = {"model.preset": "wan-tiny", "model.depth": 2, "model.num_heads": 4, "model.patch_size": "[1,2,2]",
        "diffusion.constant_shift": 5.0, "diffusion.prediction": "velocity", "diffusion.loss_space": "velocity",
@@ -102,10 +106,6 @@ def inputs():
     return torch.randn(1, 4, 2, 8, 8, generator=g), torch.tensor([0.7]), context
 
 
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
 def export_lora(wan, fmt, *extra) -> Path:
     out = wan["root"] / f"lora-{fmt}-{len(extra)}"
     assert main(["ckpt", "export", str(wan["run"]), str(out), "--lora-format", fmt, *extra]) == 0
@@ -151,8 +151,8 @@ def test_diffusers_lora_loads_in_wan_pipeline_and_matches_the_merged_model(wan, 
         meta = json.loads(handle.metadata()["lora_adapter_metadata"])
     assert meta["transformer.r"] == meta["transformer.lora_alpha"] == 4   # alpha / rank folded into lora_B
     pipe = diffusers_pipeline(wan)
-    pipe.load_lora_weights(out)
-    assert relative(diffusers_output(pipe, inputs), run_merged(models, inputs)) <= 1e-5
+    pipe.load_lora_weights(str(out), weight_name=file.name)   # weight_name: diffusers < 0.40 needs it offline
+    assert_close(diffusers_output(pipe, inputs), run_merged(models, inputs), MERGED, "diffusers' pipeline")
 
 
 def test_comfyui_lora_is_mapped_by_comfyuis_key_map_and_reproduces_the_merged_weights(wan, models, inputs):
@@ -179,11 +179,11 @@ def test_comfyui_lora_is_mapped_by_comfyuis_key_map_and_reproduces_the_merged_we
     model = load_pretrained(wan["base"]).eval()
     model.load_state_dict(patched)
     with torch.no_grad():
-        assert relative(model(*inputs), run_merged(models, inputs)) <= 1e-5
+        assert_close(model(*inputs), run_merged(models, inputs), MERGED, "merged model")
     # diffusers reads ComfyUI's convention too (its Wan loader converts "diffusion_model." keys, alpha included).
     pipe = diffusers_pipeline(wan)
-    pipe.load_lora_weights(file)
-    assert relative(diffusers_output(pipe, inputs), run_merged(models, inputs)) <= 1e-5
+    pipe.load_lora_weights(str(file.parent), weight_name=file.name)
+    assert_close(diffusers_output(pipe, inputs), run_merged(models, inputs), MERGED, "diffusers' pipeline")
 
 
 def test_comfyuis_formula_as_recorded_from_its_code():
@@ -203,7 +203,7 @@ def test_peft_folder_loads_with_peftmodel_on_the_videodit_base(wan, models, inpu
     assert not any(".default" in n for n in keys(out / "adapter_model.safetensors"))
     model = PeftModel.from_pretrained(load_pretrained(wan["base"]).eval(), out)
     with torch.no_grad():
-        assert relative(model(*inputs), run_merged(models, inputs)) <= 1e-5
+        assert_close(model(*inputs), run_merged(models, inputs), MERGED, "merged model")
     # What peft itself writes for the same adapters: the same tensor names and config.
     config = json.loads((out / "adapter_config.json").read_text())
     theirs = wan["root"] / "peft-own"
@@ -272,7 +272,7 @@ def test_stdit_lora_exports_for_peft_only(toy_dir, tmp_path, capsys):
     x = torch.randn(2, 3, 4, 16, 16)
     inputs = (x, torch.tensor([0.3, 0.8]), torch.randn(2, 8, 64), torch.ones(2, 8, dtype=torch.bool))
     with torch.no_grad():
-        assert relative(model(*inputs), merged(*inputs)) <= 1e-5
+        assert_close(model(*inputs), merged(*inputs), MERGED, "merged model")
 
 
 # ----------------------------------------------------------------------------- two experts

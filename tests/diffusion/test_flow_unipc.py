@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tolerance import assert_close
 from videodit.diffusion import flow_euler, flow_unipc
 from videodit.errors import UserError
 
@@ -33,17 +34,13 @@ def uncond(x, t):
     return velocity("uncond", x, t * 1000)
 
 
-def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
-
-
 @pytest.mark.parametrize("case", META["grids"], ids=lambda c: c["key"])
 def test_grid_is_wans(case):
     sigmas, timesteps = flow_unipc.grid(case["steps"], case["shift"])
     assert torch.equal(timesteps, TENSORS[case["key"] + ".timesteps"])
     assert timesteps.dtype == torch.int64
     assert sigmas.dtype == torch.float32 and sigmas[-1] == 0
-    assert (sigmas - TENSORS[case["key"] + ".sigmas"]).abs().max() <= 1e-7
+    assert_close(sigmas, TENSORS[case["key"] + ".sigmas"], 1e-7, "sigmas")
     assert torch.equal(flow_unipc.sigmas(case["steps"], case["shift"]), sigmas)
     assert torch.equal(flow_unipc.timesteps(case["steps"], case["shift"]), timesteps)
 
@@ -51,13 +48,13 @@ def test_grid_is_wans(case):
 @pytest.mark.parametrize("case", META["unipc"], ids=lambda c: c["key"])
 def test_unipc_sample_matches_wan(case):
     got = flow_unipc.sample(cond, TENSORS["noise"], case["steps"], case["shift"], case["guidance"], uncond)
-    assert relative(got, TENSORS[case["key"]]) < 1e-5        # measured <= 6e-7
+    assert_close(got, TENSORS[case["key"]], 1e-5, 'got')        # measured <= 6e-7
 
 
 @pytest.mark.parametrize("case", META["euler"], ids=lambda c: c["key"])
 def test_euler_sample_matches_diffusers_euler_on_wans_grid(case):
     got = flow_euler.sample(cond, TENSORS["noise"], case["steps"], case["shift"], case["guidance"], uncond)
-    assert relative(got, TENSORS[case["key"]]) < 1e-5        # measured 0
+    assert_close(got, TENSORS[case["key"]], 1e-5, 'got')        # measured 0
 
 
 @pytest.mark.parametrize("module", [flow_unipc, flow_euler], ids=["unipc", "euler"])
@@ -179,4 +176,4 @@ def test_two_experts_switch_at_the_boundary_with_their_own_guidance(case):
     want = TENSORS[case["key"]]
     got = flow_unipc.sample(routed("cond"), TENSORS["noise"], case["steps"], case["shift"],
                             expert_guidance(case["boundary"], tuple(case["guidance"])), routed("uncond"))
-    assert relative(got, want) < 1e-5
+    assert_close(got, want, 1e-5, 'got')

@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tolerance import assert_close
 from videodit.config import DiffusionConfig
 from videodit.config.load import load_config
 from videodit.diffusion import opensora2_schedule
@@ -16,6 +17,9 @@ from videodit.errors import UserError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "opensora2"
 CASES = json.loads((FIXTURES / "sampler_cases.json").read_text())
+# Open-Sora's float32 time grid: a torch elementwise shift whose last bit depends on the CPU's kernels
+# (1 ulp, 1.2e-7, with scalar kernels against the fixture): ten times that, rounded up.
+SCHEDULE = 2e-6
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +41,8 @@ def test_training_shift_alpha_is_open_soras(case):
 @pytest.mark.parametrize("case", CASES["schedules"], ids=lambda c: f"{c['steps']}x{c['frames']}p{c['patch']}")
 def test_sampling_grid_is_get_schedule(case):
     alpha = opensora2_flow().shift_ratio(0, 0, case["frames"], case["latent_hw"], case["patch"])
-    assert opensora2_schedule.schedule(case["steps"], alpha) == case["times"]
+    assert_close(torch.tensor(opensora2_schedule.schedule(case["steps"], alpha)), torch.tensor(case["times"]), SCHEDULE,
+                 "times")
 
 
 def test_timesteps_noisy_latents_and_target_match_train_py(tensors):
@@ -47,12 +52,11 @@ def test_timesteps_noisy_latents_and_target_match_train_py(tensors):
     ratio = flow.shift_ratio(0, 0, x0.shape[2], x0.shape[-2:])
     assert ratio == case["alpha"]
     t = flow.sample_timesteps(x0.shape[0], ratio, torch.Generator().manual_seed(case["seed"]))
-    assert torch.equal(t, tensors["objective.t"])     # the same normal draws give the same t
+    assert_close(t, tensors["objective.t"], 1e-6, "t")     # the same normal draws give the same t
     x_t = flow.interpolate(x0, noise, t, case["sigma_min"])
     target = flow.velocity_target(x0, noise, case["sigma_min"])
-    scale = tensors["objective.x_t"].abs().max()
-    assert (x_t - tensors["objective.x_t"]).abs().max() <= 1e-6 * scale
-    assert (target - tensors["objective.target"]).abs().max() <= 1e-6 * scale
+    assert_close(x_t, tensors["objective.x_t"], 1e-6, "x_t")
+    assert_close(target, tensors["objective.target"], 1e-6, "target")
     # the target is d x_t / d t
     dt = 1e-3
     slope = (flow.interpolate(x0, noise, t + dt, 1e-5) - flow.interpolate(x0, noise, t - dt, 1e-5)) / (2 * dt)

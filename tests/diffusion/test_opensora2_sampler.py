@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tolerance import assert_close
 from videodit.config import DiffusionConfig
 from videodit.diffusion import opensora2_sampler as sampler
 from videodit.diffusion.rectified_flow import RectifiedFlow
@@ -18,6 +19,9 @@ from videodit.sample import denoise
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "opensora2"
 CASES = json.loads((FIXTURES / "sampler_cases.json").read_text())
+# Open-Sora's float32 time grid: a torch elementwise shift whose last bit depends on the CPU's kernels
+# (1 ulp, 1.2e-7, with scalar kernels against the fixture): ten times that, rounded up.
+SCHEDULE = 2e-6
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +63,7 @@ def test_three_way_cfg_loop_matches_open_sora(case, model, tensors):
     noise = tensors[f"loop.{name}.noise"]
     flow = RectifiedFlow(DiffusionConfig(shift_rule="opensora2", sigma_min=1e-5))
     alpha = flow.shift_ratio(0, 0, noise.shape[2], noise.shape[-2:], patch=2)
-    assert sampler.schedule(case["steps"], alpha) == case["times"]
+    assert_close(torch.tensor(sampler.schedule(case["steps"], alpha)), torch.tensor(case["times"]), SCHEDULE, "times")
     guidance = sampler.ThreeWayGuidance(7.5, 3.0, case["oscillation"], case["oscillation"], case["ramp"])
     negative = (tensors["loop.text.empty"][None], None, tensors["loop.pooled.empty"][None])
     with torch.no_grad():
@@ -68,8 +72,7 @@ def test_three_way_cfg_loop_matches_open_sora(case, model, tensors):
                     pooled=tensors["loop.pooled.prompt"][None], three_way=guidance,
                     condition=reference(case, tensors))
     expected = tensors[f"loop.{name}.x"]
-    assert x.shape == expected.shape
-    assert (x - expected).abs().max() <= 1e-4 * expected.abs().max()
+    assert_close(x, expected, 1e-4, f"the {name} loop's x")
 
 
 def test_oscillation_and_ramp_follow_open_sora():

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from tolerance import assert_close, relative
 from videodit.config.schema import LORA_TARGETS, ModelConfig
 from videodit.errors import UserError
 from videodit.models.families import get_spec, released_spec, spec_of
@@ -27,6 +28,10 @@ from videodit.models.spec import Conditions, count_parameters
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "opensora2"
 RELEASED = FIXTURE / "mmdit" / "Open_Sora_v2.safetensors"
 CASES = ["t2v", "i2v", "one_frame", "nonsquare", "padded_nomask", "padded_mask", "random_cond"]
+# Bounds on the deviation relative to the expected output's max: ten times the worst measured across
+# CPUs (AVX-512, AVX2, scalar kernels), thread counts and torch/transformers releases (docs/testing.md).
+FORWARD = 1e-4      # worst 8.7e-6
+GRADIENT = 1e-3     # worst 6.7e-5
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +48,6 @@ def model() -> MMDiT:
     return load_opensora2(RELEASED).eval()
 
 
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
 def forward(model, case, cond="given"):
     return model(case["x"], case["t"], case["y"], case["pooled"], case["cond"] if cond == "given" else None,
                  case.get("y_mask"))
@@ -57,13 +58,13 @@ def test_forward_matches_opensora(model, cases, name):
     with torch.no_grad():
         ours = forward(model, cases[name])
     assert ours.shape == cases[name]["out"].shape and ours.dtype == torch.float32
-    assert relative(ours, cases[name]["out"]) <= 1e-5
+    assert_close(ours, cases[name]["out"], FORWARD, name)
 
 
 def test_no_cond_is_the_all_zero_condition(model, cases):
     """t2v's condition is all zero (no frame given): leaving it out gives the same output."""
     with torch.no_grad():
-        assert relative(forward(model, cases["t2v"], cond=None), cases["t2v"]["out"]) <= 1e-6
+        assert_close(forward(model, cases["t2v"], cond=None), cases["t2v"]["out"], FORWARD, "no cond")
 
 
 def test_gradients_match_opensora(cases):
@@ -75,12 +76,12 @@ def test_gradients_match_opensora(cases):
     loss.backward()
     assert abs(loss.item() - case["loss"].item()) <= 1e-5 * case["loss"].item()
     for k, leaf in leaves.items():
-        assert relative(leaf.grad, case[f"d{k}"]) <= 1e-4, k
+        assert_close(leaf.grad, case[f"d{k}"], GRADIENT, k)
     params = dict(model.named_parameters())
     checked = [k[len("param."):] for k in case if k.startswith("param.")]
     assert len(checked) >= 10
     for name in checked:
-        assert relative(params[name].grad, case[f"param.{name}"]) <= 1e-4, name
+        assert_close(params[name].grad, case[f"param.{name}"], GRADIENT, name)
 
 
 def test_geometry_read_off_the_released_file():
@@ -101,7 +102,7 @@ def test_interleaved_layout_imports(cases):
     assert model.geometry.patch_size == (1, 1, 1) and model.geometry.latent_channels == 8
     case = cases["flux"]
     with torch.no_grad():
-        assert relative(forward(model, case), case["out"]) <= 1e-5
+        assert_close(forward(model, case), case["out"], FORWARD, "interleaved")
     unpermuted = load_opensora2(FIXTURE / "mmdit_flux" / "Open_Sora_v2.safetensors").eval()
     with torch.no_grad():
         assert relative(forward(unpermuted, case), case["out"]) > 1e-3   # the layouts are not interchangeable
@@ -378,7 +379,7 @@ def test_tiny_mmdit_trains_exports_and_restarts_from_its_export(toy_dir, tmp_pat
     again = tmp_path / "again"
     Trainer(load_config("tiny", common + ["train.max_steps=1", f"model.init_from={released}"]), again).fit()
     assert (again / "checkpoints" / "step-0000001").is_dir()
-    with pytest.raises(UserError, match="img_in.weight is"):
+    with pytest.raises(UserError, match="hidden_size=64 there, 32 here.*set model.hidden_size=64"):
         Trainer(load_config("tiny", common + ["model.hidden_size=32", "model.axes_dim=[4,6,6]",
                                               f"model.init_from={released}"]), tmp_path / "bad")
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tolerance import assert_close
 from videodit.config import DiffusionConfig
 from videodit.diffusion.rectified_flow import RectifiedFlow
 from videodit.errors import UserError
@@ -51,7 +52,7 @@ def run(model, case: dict[str, torch.Tensor], null_caption: bool = False) -> tor
 def test_forward_matches_opensora(model, cases, name):
     case = cases[name]
     expected = case["out"][:, : case["x"].shape[1]]   # pred_sigma: the first C channels are the prediction
-    assert (run(model, case, null_caption=name == "null_caption") - expected).abs().max() <= 1e-5
+    assert_close(run(model, case, null_caption=name == "null_caption"), expected, 1e-5, name)
 
 
 def test_null_caption_attends_under_the_prompt_mask(model, cases):
@@ -88,7 +89,7 @@ def test_cfg_sampling_loop_matches_rflow_sample(model, cases):
         out = denoise(model, flow, case["z"], case["y"][:, 0], case["mask"].bool(), steps=int(case["steps"]),
                       guidance=float(case["guidance"]), ratio=ratio, fps=case["fps"], height=case["height"],
                       width=case["width"])
-    assert (out - case["out"]).abs().max() <= 1e-3
+    assert_close(out, case["out"], 1e-3, "sampled")
 
 
 def test_import_export_round_trip(tmp_path):

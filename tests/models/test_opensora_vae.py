@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tolerance import assert_close
 from videodit.errors import UserError
 from videodit.models.stdit.opensora_vae import SDXL_VAE_CONFIG, OpenSoraVAE
 from videodit.models.stdit.temporal_vae import latent_frames
@@ -23,7 +24,9 @@ from videodit.models.vae import build_vae
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "opensora" / "vae"
 FRAMES = (1, 17, 20, 51)
-TOLERANCE = 1e-5   # fp32
+# fp32, relative to the expected max: ten times the worst deviation measured across CPUs (AVX-512 and
+# scalar kernels), thread counts and torch releases (6.5e-6, a decode; docs/testing.md)
+TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +47,7 @@ def _video(cases, frames: int) -> torch.Tensor:
 def test_encode_matches_opensora(vae, cases, frames):
     latents = vae.encode(_video(cases, frames))
     expected = cases[f"latents_{frames}"]
-    assert latents.shape == expected.shape
-    assert (latents - expected).abs().max() <= TOLERANCE
+    assert_close(latents, expected, TOLERANCE, "latents")
 
 
 @pytest.mark.parametrize("frames", FRAMES)
@@ -53,14 +55,14 @@ def test_decode_matches_opensora(vae, cases, frames):
     video = vae.decode(cases[f"latents_{frames}"], frames)
     expected = cases[f"decoded_{frames}"].clamp(-1, 1)   # the adapter clamps (>99.5% of these are inside)
     assert video.shape == expected.shape == (*cases[f"video_{frames}"].shape[:-1], 16)   # 20 px -> 2 latents
-    assert (video - expected).abs().max() <= TOLERANCE
+    assert_close(video, expected, TOLERANCE, "video")
 
 
 def test_micro_batches_do_not_change_the_result(cases):
     """One frame per SD-VAE pass and one piece per temporal pass, against the fixture."""
     small = build_vae("opensora-v1.2", str(FIXTURE), micro_batch=1, temporal_micro_batch=1)
-    assert (small.encode(_video(cases, 51)) - cases["latents_51"]).abs().max() <= TOLERANCE
-    assert (small.decode(cases["latents_20"], 20) - cases["decoded_20"].clamp(-1, 1)).abs().max() <= TOLERANCE
+    assert_close(small.encode(_video(cases, 51)), cases["latents_51"], TOLERANCE, "encoded piece by piece")
+    assert_close(small.decode(cases["latents_20"], 20), cases["decoded_20"].clamp(-1, 1), TOLERANCE, "decoded piece by piece")
 
 
 def test_latent_frame_rule():

@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tolerance import assert_close, relative
 from videodit.errors import UserError
 from videodit.models.vae import build_vae
 from videodit.models.wan.vae import (WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, WanVAE, build_wan_vae, checkpoint_kind,
@@ -33,8 +34,10 @@ FOLDER = FIXTURE / "diffusers"          # a pipeline folder: vae.subfolder=vae
 WAN21_PTH = FIXTURE.parent / "wan_vae" / "Wan2.1_VAE_tiny.pth"
 META = json.loads((FIXTURE / "meta.json").read_text())
 FRAMES = (1, 5, 9)
-TOLERANCE = 1e-5    # fp32, relative to the reference's max |value|; measured: 0 (bit-identical)
-BATCHED = 1e-4      # two clips in one pass (batched convolutions sum in another order); measured 8.6e-6
+# fp32, relative to the reference's max |value|: ten times the worst deviation measured across CPUs,
+# thread counts and torch releases (docs/testing.md): 1.1e-5 (a 9-frame decode); two clips in one pass 6.7e-6
+TOLERANCE = 2e-4
+BATCHED = 2e-4
 SOURCES = {"pth": (str(PTH), None), "safetensors": (str(FIXTURE / "Wan2.2_VAE_tiny.safetensors"), None),
            "diffusers": (str(FOLDER), "vae")}
 
@@ -56,11 +59,6 @@ def vae() -> WanVAE:
 
 def _video(cases, frames: int) -> torch.Tensor:
     return cases[f"video_{frames}"].float() / 127.5 - 1
-
-
-def _relative(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    assert ours.shape == ref.shape
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
 
 
 def _one_line_error(call, match: str) -> str:
@@ -136,9 +134,9 @@ def test_encode_matches_wan(source, frames, cases):
     video = _video(cases, frames)
     latents = vae.encode(video)
     assert latents.shape == (video.shape[0], 48, *vae.latent_size(frames, 32, 48))
-    assert _relative(latents, cases[f"latents_{frames}"]) <= TOLERANCE
+    assert_close(latents, cases[f"latents_{frames}"], TOLERANCE, 'latents')
     mu = torch.cat([vae.vae.encode(clip[None]).latent_dist.mode() for clip in video])
-    assert _relative(mu, cases[f"mu_{frames}"]) <= TOLERANCE
+    assert_close(mu, cases[f"mu_{frames}"], TOLERANCE, 'mu')
 
 
 @pytest.mark.parametrize("source", SOURCES)
@@ -148,15 +146,15 @@ def test_decode_matches_wan(source, frames, cases):
     vae = build_wan_vae(path, subfolder, micro_batch=frames, kind="wan2.2")
     video = vae.decode(cases[f"latents_{frames}"], num_frames=frames)
     assert video.shape == cases[f"decoded_{frames}"].shape
-    assert _relative(video, cases[f"decoded_{frames}"]) <= TOLERANCE
+    assert_close(video, cases[f"decoded_{frames}"], TOLERANCE, 'video')
     assert torch.equal(vae.decode(cases[f"latents_{frames}"]), video)   # num_frames is optional
 
 
 def test_several_clips_per_pass(vae, cases):
     """The default micro_batch (16) puts both 5-frame clips in one pass; Wan encodes them one by one."""
     assert vae.micro_batch // 5 >= 2
-    assert _relative(vae.encode(_video(cases, 5)), cases["latents_5"]) <= BATCHED
-    assert _relative(vae.decode(cases["latents_5"], 5), cases["decoded_5"]) <= BATCHED
+    assert_close(vae.encode(_video(cases, 5)), cases["latents_5"], BATCHED, "batched encode")
+    assert_close(vae.decode(cases["latents_5"], 5), cases["decoded_5"], BATCHED, "batched decode")
 
 
 def test_our_conversion_is_diffusers_conversion(vae, tmp_path):
@@ -189,13 +187,13 @@ def test_hub_config_keys_and_missing_tables(cases, tmp_path):
         (folder / "config.json").write_text(json.dumps(config))
         loaded = build_wan_vae(str(folder), micro_batch=1, kind="wan2.2")
         assert list(loaded.latents_mean.flatten().tolist()) == pytest.approx(WAN22_LATENTS_MEAN)
-        assert _relative(loaded.encode(_video(cases, 9)), cases["latents_9"]) <= TOLERANCE
+        assert_close(loaded.encode(_video(cases, 9)), cases["latents_9"], TOLERANCE, "encode")
 
 
 def test_build_vae_kind_wan22(cases):
     vae = build_vae("wan2.2", str(PTH), micro_batch=9)
     assert isinstance(vae, WanVAE) and vae.kind == "wan2.2"
-    assert _relative(vae.encode(_video(cases, 9)), cases["latents_9"]) <= TOLERANCE
+    assert_close(vae.encode(_video(cases, 9)), cases["latents_9"], TOLERANCE, "encode")
 
 
 # --------------------------------------------------------------------------- frames, sizes, dtype
@@ -228,7 +226,7 @@ def test_bf16(cases):
     assert {p.dtype for p in bf16.vae.parameters()} == {torch.bfloat16}
     latents = bf16.encode(_video(cases, 5))
     assert latents.dtype == torch.float32 and latents.shape == cases["latents_5"].shape
-    assert _relative(latents, cases["latents_5"]) < 0.1 and not torch.equal(latents, cases["latents_5"])
+    assert relative(latents, cases["latents_5"]) < 0.1 and not torch.equal(latents, cases["latents_5"])
 
 
 # --------------------------------------------------------------------------- refused files

@@ -13,12 +13,16 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from tolerance import assert_close, relative
 from videodit.errors import UserError
 from videodit.models.wan import RMSNormAcrossHeads, WanDiT, WanGeometry, is_wan_folder, load_wan, write_wan_folder
 from videodit.models.wan.layouts import from_diffusers, read_wan_folder, to_diffusers
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "wan"
 CASES = ["t2v", "padded", "nonsquare", "one_frame", "batch2"]
+# Bounds on the deviation relative to the expected output's max: ten times the worst measured across
+# CPUs (AVX-512, AVX2, scalar kernels), thread counts and torch/transformers releases (docs/testing.md).
+FORWARD = 1e-4      # worst 5.2e-6
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 diffusers = pytest.importorskip("diffusers")
@@ -51,20 +55,16 @@ def run_diffusers(reference, case) -> torch.Tensor:
         return reference(case["x"], case["t"] * 1000, context).sample
 
 
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
 @pytest.mark.parametrize("name", CASES)
 def test_forward_matches_wan_and_diffusers(model, reference, cases, name):
     case = cases[name]
     with torch.no_grad():
         ours = model(case["x"], case["t"], case["context"])
     assert ours.shape == case["out"].shape and ours.dtype == torch.float32
-    assert relative(ours, case["out"]) <= 1e-5
+    assert_close(ours, case["out"], FORWARD, "ours against Wan's")
     theirs = run_diffusers(reference, case)
-    assert relative(ours, theirs) <= 1e-5
-    assert relative(theirs, case["out"]) <= 1e-5   # the two references agree too
+    assert_close(ours, theirs, FORWARD, "ours against diffusers'")
+    assert_close(theirs, case["out"], FORWARD, "diffusers' against Wan's")   # the two references agree too
 
 
 def test_gradients_match_wan(cases):
@@ -212,8 +212,8 @@ def test_bad_weights_fail_in_one_line(tmp_path, edit, words):
     ({"_class_name": "UNet"}, ["neither"]),
     # Crafted sizes are checked against the weights' headers before anything is built.
     ({"num_layers": 10**6}, ["num_layers=1000000", "hold 2"]),
-    ({"dim": "64"}, ["not sizes"]),
-    ({"num_heads": 0}, ["not sizes"]),
+    ({"dim": "64"}, ["dim='64' is not a whole number"]),
+    ({"num_heads": 0}, ["num_heads=0 is out of range"]),
     ({"num_heads": 10**9}, ["num_heads=1000000000"]),
 ])
 def test_bad_config_fails_in_one_line(tmp_path, config_edit, words):

@@ -91,8 +91,11 @@ def diffusers_lora(layers: Layers, alpha: float, rename: Callable[[str], str],
         name = f"transformer.{rename(module)}"
         tensors[f"{name}.lora_A.weight"] = _cast(a, dtype)
         tensors[f"{name}.lora_B.weight"] = _cast(b.float() * (alpha / rank), dtype)   # the scale folded in
+    # rank_pattern and alpha_pattern (empty: one rank and alpha for every module) are read, not
+    # defaulted, by diffusers 0.38-0.39's loader: a file without them fails there with a KeyError.
     config = {"transformer.r": rank, "transformer.lora_alpha": rank,
-              "transformer.target_modules": [rename(module) for module in layers]}
+              "transformer.target_modules": [rename(module) for module in layers],
+              "transformer.rank_pattern": {}, "transformer.alpha_pattern": {}}
     return tensors, {"lora_adapter_metadata": json.dumps(config, indent=2, sort_keys=True)}
 
 
