@@ -252,6 +252,8 @@ def build_cases(tmp: Path) -> list[Case]:
     # --- round 3 (#22, #28): crafted descriptions, released weights, plans
     add_round_three(add, tmp)
     add_round_three_files(add, tmp, toy, run, tiny)
+    # --- round 4 (#35): imports and exports
+    add_round_four(add, tmp, run, tiny)
     cases.append(Case("(cleanup)", ["config", "keys"], expect=0, check=lambda: (sleeper.kill() or True, "")))
     return cases
 
@@ -407,6 +409,121 @@ def add_round_three_files(add, tmp: Path, toy: Path, run: Path, tiny) -> None:
     add(Case("LoRA base edited in the middle: export --merge-lora",
              ["ckpt", "export", str(lora_run), str(tmp / "merged"), "--merge-lora"], watch=[lora_run],
              check=lambda: (not (tmp / "merged").exists(), "nothing exported")))
+
+
+def add_round_four(add, tmp: Path, run: Path, tiny) -> None:
+    """Round 4 (#35), imports and exports: outputs where videodit deletes, headers that ask for
+    unbounded work, config values, sharded folders, two experts, init_from's architecture, advice."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    fixtures = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+    wan, os2 = fixtures / "wan" / "wan", fixtures / "opensora2" / "mmdit" / "Open_Sora_v2.safetensors"
+    gone = lambda path: (lambda: (not path.exists(), "nothing written"))   # noqa: E731
+    step = run / "checkpoints" / "step-0000002"
+    add(Case("ckpt export into a checkpoint", ["ckpt", "export", str(run), str(step / "sub")], watch=[run],
+             check=gone(step / "sub"), says="may be deleted"))
+    add(Case("ckpt import into a run's checkpoints/", ["ckpt", "import", str(wan), str(run / "checkpoints" / "x")],
+             watch=[run], check=gone(run / "checkpoints" / "x"), says="may be deleted"))
+    add(Case("cache build inside a checkpoint", ["cache", "build", "tiny", f"data.csv={tmp / 'toy' / 'train.csv'}",
+                                                 *TINY, "--out", str(step / "cache")], watch=[run],
+             check=gone(step / "cache"), says="may be deleted"))
+
+    def crafted(name: str, source: Path, tensors: dict | None = None, config: dict | None = None) -> Path:
+        """A copy of released weights with ``tensors`` added to its (only) weights file and ``config``
+        merged into its config.json."""
+        target = tmp / name
+        if source.is_dir():
+            shutil.copytree(source, target)
+        else:
+            target.mkdir()
+            shutil.copy(source, target)
+        if tensors:
+            file = next(target.glob("*.safetensors"))
+            save_file({**load_file(str(file)), **tensors}, str(file))
+        if config:
+            (target / "config.json").write_text(json.dumps({**json.loads((target / "config.json").read_text()),
+                                                            **config}))
+        return target
+
+    def refused(name: str, src: Path, *extra: str, says: str | None = None, timeout: float = 60) -> None:
+        out = tmp / ("out-" + "".join(c if c.isalnum() else "-" for c in name))
+        add(Case(name, ["ckpt", "import", str(src), str(out), *extra], watch=[src], check=gone(out), says=says,
+                 timeout=timeout))
+
+    huge = {"double_blocks.1000000000000.img_attn.proj.bias": torch.zeros(1)}
+    refused("import: Open-Sora 2.0 double_blocks.10^12", crafted("os2-huge", os2, huge) / os2.name, says="unexpected")
+    stdit = fixtures / "opensora" / "stdit3"
+    ckpt_file = tmp / "stdit-huge.safetensors"
+    save_file({**load_file(str(stdit / "model.safetensors")), "spatial_blocks.1000000000000.attn.proj.bias":
+               torch.zeros(1)}, str(ckpt_file))
+    refused("import: STDiT spatial_blocks.10^12", ckpt_file, says="STDiT3 of this config lacks")
+    for key, value in (("eps", float("nan")), ("patch_size", [0, 0, 0]), ("freq_dim", 10**12), ("eps", "abc"),
+                       ("text_len", 10**9), ("text_len", 0)):
+        refused(f"import: Wan config.json {key}={value!r}", crafted(f"wan-{key}-{value}", wan, config={key: value}),
+                says=f"{key}=")
+    shards = crafted("wan-shards", wan)
+    state = load_file(str(shards / "diffusion_pytorch_model.safetensors"))
+    (shards / "diffusion_pytorch_model.safetensors").unlink()
+    names = sorted(state)
+    save_file({k: state[k] for k in names[:20]}, str(shards / "a.safetensors"))
+    save_file({k: (torch.zeros_like(state[k]) if k == names[0] else state[k]) for k in names[20:] + names[:1]},
+              str(shards / "b.safetensors"))   # the first tensor again, zeros: the later shard would win
+    (shards / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "a.safetensors" if i < 20 else "b.safetensors" for i, k in enumerate(names)}}))
+    refused("import: one tensor in two shards", shards, says="is in two shards")
+    experts = tmp / "wan22-experts"
+    for folder in ("high_noise_model", "low_noise_model"):
+        shutil.copytree(wan, experts / folder)
+    out = tmp / "wan22-imported"
+    add(Case("import: Wan 2.2 two experts (as the two-expert folder)", ["ckpt", "import", str(experts), str(out)],
+             expect=0, check=lambda: ((out / "low_noise_model" / "run_config.yaml").is_file() and "expert: low" in
+                                      (out / "low_noise_model" / "run_config.yaml").read_text(), "one folder each")))
+    add(Case("import: Wan with --config of Open-Sora 1.2", ["ckpt", "import", str(wan), str(tmp / "wan-tiny-cfg"),
+                                                            "--config", "tiny"], says="pass a wan config"))
+    add(Case("import: Wan records Wan's encoders", ["ckpt", "import", str(wan), str(tmp / "wan-encoders")], expect=0,
+             check=lambda: ("kind: umt5" in (tmp / "wan-encoders" / "run_config.yaml").read_text(), "umT5")))
+    refused("import: Open-Sora 2.0 img_in 1-D", crafted("os2-1d", os2, {"img_in.weight": torch.zeros(64)}) / os2.name,
+            says="has shape [64]")
+    refused("import: Open-Sora 2.0 cond_in narrower", crafted("os2-cond", os2, {"cond_in.weight": torch.zeros(64, 10)})
+            / os2.name, says="fit no square patch")
+    no_txt = tmp / "os2-no-txt" / os2.name
+    no_txt.parent.mkdir()
+    save_file({k: v for k, v in load_file(str(os2)).items() if k != "txt_in.weight"}, str(no_txt))
+    refused("import: Open-Sora 2.0 without txt_in", no_txt, says="every Open-Sora 2.0 MMDiT has")
+    head24 = tmp / "os2-head24" / os2.name   # an MMDiT trained at another size: heads of 24 channels
+    head24.parent.mkdir()
+    subprocess.run([sys.executable, "-c", "import sys; from safetensors.torch import save_file; from videodit.models."
+                    "mmdit.model import MMDiT, MMDiTGeometry as G; save_file(MMDiT(G(hidden_size=48, num_heads=2, "
+                    "depth=1, depth_single_blocks=1, latent_channels=4, vec_in_dim=8, context_in_dim=16, "
+                    "axes_dim=(4, 10, 10))).state_dict(), sys.argv[1])", str(head24)],
+                   cwd=Path(__file__).resolve().parents[1], check=True)
+    refused("import: Open-Sora 2.0 heads of 24", head24, says="model.axes_dim=[frames,rows,columns]")
+    add(Case("import: ... with the advice (model.axes_dim)", ["ckpt", "import", str(head24), str(tmp / "os2-24-out"),
+                                                              "model.axes_dim=[4,10,10]"], expect=0))
+    # a Wan run of 2 heads, and a run of 4 heads of the same shapes starting from it
+    wan_run = tmp / "wan-run"
+    wan_tiny = ["model.preset=wan-tiny", "model.patch_size=[1,2,2]", "diffusion.prediction=velocity"]
+    made = videodit(*tiny(wan_run, *wan_tiny, "train.max_steps=1"))
+    assert made.returncode == 0, made.stderr[-2000:]
+    add(Case("init_from: 2 heads into a 4-head run", tiny(tmp / "wan-4heads", *wan_tiny, "model.num_heads=4",
+                                                         f"model.init_from={wan_run}", "train.max_steps=1"),
+             says="num_heads=2 there, 4 here", check=gone(tmp / "wan-4heads" / "checkpoints")))
+    # two expert runs; the low one damaged: a refused pair export leaves nothing
+    pair = {}
+    for expert, edges in (("high", "[0.75,1.0]"), ("low", "[0.0,0.75]")):
+        pair[expert] = tmp / f"wan-{expert}"
+        made = videodit(*tiny(pair[expert], *wan_tiny, f"model.expert={expert}", "model.expert_boundary=0.75",
+                              f"diffusion.timestep_range={edges}", "train.max_steps=1", "text.max_length=8"))
+        assert made.returncode == 0, made.stderr[-2000:]
+    weights = pair["low"] / "checkpoints" / "step-0000001" / "model.safetensors"
+    damaged = bytearray(weights.read_bytes())
+    damaged[-1] ^= 0xFF
+    weights.write_bytes(bytes(damaged))
+    add(Case("export: a pair whose low expert is damaged", ["ckpt", "export", str(pair["high"]),
+                                                            str(tmp / "pair-new" / "out"), "--low-noise-ckpt",
+                                                            str(pair["low"]), "--format", "wan"],
+             check=gone(tmp / "pair-new"), says="does not match its SHA-256"))
 
 
 def readonly_folder(tmp: Path) -> Path:

@@ -8,7 +8,8 @@ Modules, each importing only the ones above it:
     io.py       the folder format: names, write/save, manifests, checked reads, verification
     loaded.py   LoadedCheckpoint: reading a checkpoint or an export folder, every file checked
     manager.py  CheckpointManager: when to save, retention, event log, async saves
-    tools.py    ckpt list / inspect / export
+    staging.py  a new folder written whole or not at all (exports, imports)
+    tools.py    ckpt list / inspect / export; where outputs may not go (folders videodit deletes in)
     convert.py  ckpt import / export --format FORMAT (a family's released weights)
     lora_formats.py, lora_export.py   ckpt export --lora-format: a LoRA run's adapters for diffusers, ComfyUI, peft
 """

@@ -11,13 +11,13 @@ pairs them again.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Callable
 
 import torch
 import yaml
 
+from videodit.checkpoint.staging import staged_folder
 from videodit.config import from_yaml
 from videodit.config.load import parse_yaml
 from videodit.errors import UserError
@@ -56,21 +56,15 @@ def expert_run_config(run_config: str, expert: str) -> str:
 
 
 def write_experts(out_dir: str | Path, folders: tuple[str, str], parts: list[tuple[str, dict, str]],
-                  write: Callable[[Path, dict, str], Path]) -> Path:
+                  write: Callable[[Path, dict, str], Path], verb: str = "export") -> Path:
     """``write(folder, tensors, run_config)`` for each expert into ``out_dir/<its folder>`` (a new
-    or empty folder, checked by the caller); a failure removes what this call wrote, so
-    ``out_dir`` is as it was."""
-    out_dir = Path(out_dir)
-    created = not out_dir.exists()
-    written = []
-    try:
+    or empty folder, checked by the caller), all in one staging folder renamed into place at the
+    end: a failure (the second expert refused, a full disk) leaves nothing, so ``out_dir`` is as it
+    was and the same command can run again."""
+    with staged_folder(out_dir, verb) as staging:
         for folder, (_, tensors, run_config) in zip(folders, parts):
-            written.append(write(out_dir / folder, tensors, run_config))
-    except BaseException:
-        for path in ([out_dir] if created else written):
-            shutil.rmtree(path, ignore_errors=True)
-        raise
-    return out_dir
+            write(staging / folder, tensors, run_config)
+    return Path(out_dir)
 
 
 def expert_folders(family: str, fmt: str) -> tuple[str, str]:

@@ -80,6 +80,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
         found = list_checkpoints(root)
         if found:
             return found[-1]
+    from videodit.models.families import families
+    for spec in families().values():   # two experts' folders (a two-expert model): one at a time
+        high, low = (spec.expert_source(path, expert) for expert in ("high", "low"))
+        if high is not None and low is not None and is_export_dir(high):
+            raise UserError(f"{path} holds two experts' model folders: pass one of them (videodit sample samples the "
+                            f"pair with --ckpt {high} --low-noise-ckpt {low})")
     raise UserError(f"{str(path)!r} is neither a checkpoint (no manifest.json), an export (config.json + "
                     "model.safetensors) nor a run folder with checkpoints; pass a run folder, a "
                     "checkpoints/step-NNNNNNN folder or an export folder")

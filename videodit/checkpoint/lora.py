@@ -18,6 +18,7 @@ changed since is refused instead of silently getting adapters trained on other w
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
@@ -29,33 +30,109 @@ import yaml
 from torch import nn
 
 from videodit.config.load import parse_yaml
-from videodit.checkpoint.io import warn
+from videodit.checkpoint.io import is_export_dir, warn
 from videodit.checkpoint.loaded import LoadedCheckpoint
 from videodit.components import model_geometry, model_of, one_model_tensors
-from videodit.config import Config, LoraConfig, from_yaml
+from videodit.config import Config, LoraConfig, ModelConfig, from_yaml
 from videodit.errors import UserError, os_error_message
 from videodit.models.lora import add_adapters, is_adapter_name, merge_adapters
-from videodit.models.families import get_spec, released_spec
+from videodit.models.families import families, get_spec, released_spec, spec_for_model_type, spec_of
+from videodit.models.pretrained import folder_geometry
+from videodit.models.spec import ModelSpec
 from videodit.user_files import NotRegularFile, open_user_file
 
 
-def init_weights(source: str | Path) -> tuple[dict[str, torch.Tensor], str]:
+def init_weights(source: str | Path, like=None) -> tuple[dict[str, torch.Tensor], str]:
     """The weights ``model.init_from=source`` takes, and a description of them: Open-Sora STDiT3
     weights converted; a LoRA checkpoint's adapters (their EMA if any) merged into its base; a
     checkpoint's EMA weights if it has them (its model weights for the buffers), else its model
-    weights; an export's weights."""
+    weights; an export's weights; both experts' of a two-expert model folder. ``like``: the geometry
+    of the model they are for, whose architecture fields the source's must equal (one line if not)."""
+    hints = dataclasses.asdict(like) if like is not None else None
     spec = released_spec(source)
     if spec is not None:
-        return spec.read_released(Path(source))[1], f"{spec.released_short} weights of {source}"
+        geometry, weights = spec.read_released_like(Path(source), like=hints)
+        check_architecture(source, geometry, like, spec.released_fix)
+        return weights, f"{spec.released_short} weights of {source}"
+    folders = expert_model_folders(source)
+    if folders is not None:   # a videodit two-expert folder: each expert's model folder, by its prefix
+        spec, parts = folders
+        weights = {}
+        for prefix, folder in zip(spec.expert_prefixes, parts):
+            ckpt = LoadedCheckpoint(folder)
+            check_architecture(source, source_geometry(ckpt, None), like, _FIX)
+            weights.update({prefix + name: t for name, t in ckpt.tensors("model").items()})
+        return weights, f"two experts' weights of {source}"
     ckpt = LoadedCheckpoint(source)
     stem = "ema" if ckpt.has("ema") else "model"
     if lora_config(ckpt) is not None:
-        weights = adapted_model(ckpt, stem, merge=True).state_dict()
-        return weights, f"{stem} adapters of {ckpt.path} (step {ckpt.step}) merged into their base"
+        model = adapted_model(ckpt, stem, merge=True)
+        check_architecture(source, getattr(model, "geometry", None), like, _FIX)
+        return model.state_dict(), f"{stem} adapters of {ckpt.path} (step {ckpt.step}) merged into their base"
     weights = ckpt.tensors(stem)
     if stem == "ema":   # the EMA covers the parameters; buffers come from the model weights
         weights = {**ckpt.tensors("model"), **weights}
+    if like is not None:
+        check_architecture(source, source_geometry(ckpt, weights), like, _FIX)
     return weights, f"{stem} weights of {ckpt.path} (step {ckpt.step})"
+
+
+_FIX = "set model.* as in that run's config.yaml"
+
+
+def expert_model_folders(source: str | Path) -> tuple[ModelSpec, list[Path]] | None:
+    """(spec, [high, low] folders) of a videodit two-expert folder (what ``ckpt export`` of a
+    ``model.expert=both`` run and ``ckpt import`` of a two-expert release write), or None."""
+    path = Path(source)
+    if (path / "config.json").exists() or (path / "manifest.json").exists():
+        return None
+    for spec in families().values():
+        parts = [spec.expert_source(path, expert) for expert in ("high", "low")]
+        if all(part is not None and is_export_dir(part) for part in parts):
+            return spec, parts
+    return None
+
+
+def source_geometry(ckpt: LoadedCheckpoint, tensors: dict[str, torch.Tensor] | None):
+    """The geometry of the model a checkpoint or model folder holds: a model folder's config.json,
+    else its run's config with the encoders' widths read off ``tensors``."""
+    if ckpt.is_model_folder or (ckpt.is_export and (spec_for_model_type(ckpt.run_config.get("model_type"))
+                                                    or not ckpt.export_info)):
+        return folder_geometry(ckpt.path)[1]   # its config.json is the model's (no run config beside it)
+    tensors = tensors if tensors is not None else ckpt.tensors("model")
+    cfg = _config(ckpt)
+    spec, one = get_spec(cfg.model.family), one_model_tensors(cfg, tensors)
+    return model_geometry(cfg, latent_channels=spec.latent_channels(one), caption_channels=spec.caption_channels(one))
+
+
+def check_architecture(source, theirs, ours, fix: str) -> None:
+    """The model a run starts from has the run's architecture: every geometry field (heads, widths,
+    norms, patch, ...) but the ones a run sets apart (``ModelSpec.run_fields``), not only the shapes
+    (two heads of 32 and four of 16 hold the same tensors). One line naming the fields and what to set."""
+    if theirs is None or ours is None:
+        return
+    if type(theirs) is not type(ours):
+        raise UserError(f"model.init_from={source} holds a {spec_of(theirs).family} model, this run builds a "
+                        f"{spec_of(ours).family} one; {fix}")
+    spec = spec_of(ours)
+    differ = [(f.name, getattr(theirs, f.name), getattr(ours, f.name)) for f in dataclasses.fields(ours)
+              if f.name not in spec.run_fields and _value(getattr(theirs, f.name)) != _value(getattr(ours, f.name))]
+    if not differ:
+        return
+    options = {f.name: f"model.{f.name}" for f in dataclasses.fields(ModelConfig)} | dict(spec.field_options)
+    shown = ", ".join(f"{name}={_value(there)} there, {_value(here)} here" for name, there, here in differ[:3])
+    if all(name in options for name, _, _ in differ):
+        fix = "set " + " ".join(f"{options[name]}={_value(there)}" for name, there, _ in differ)
+    raise UserError(f"model.init_from={source}: its model is not this run's ({shown}); {fix}")
+
+
+def _value(value):
+    """A geometry value as an override writes it: lists without spaces, booleans in lower case."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(str(_value(v)) for v in value) + "]"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return value
 
 
 def base_record(source: str | Path, known: dict | None = None) -> dict:
@@ -72,6 +149,10 @@ def base_record(source: str | Path, known: dict | None = None) -> dict:
         path = Path(source).resolve()
         files = spec.released_files(path)
         named = {(f.name if f == path else str(f.relative_to(path))): (f, None) for f in files}
+    elif (folders := expert_model_folders(source)) is not None:   # each expert's weights
+        path = Path(source).resolve()
+        named = {str(f.resolve().relative_to(path)): (f.resolve(), None) for f in
+                 (folder / "model.safetensors" for folder in folders[1])}
     else:
         ckpt = LoadedCheckpoint(source)
         path = ckpt.path.resolve()

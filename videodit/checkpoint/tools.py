@@ -12,24 +12,21 @@ to check it against its manifest (size and SHA-256) and show the damaged ones.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
-import shutil
-import socket
 from pathlib import Path
 
 import torch
 import yaml
 
 from videodit.config.load import parse_yaml
-from videodit.checkpoint.io import (EXPORT_RECORD, EXPORT_RUN_CONFIG, STAGING_PREFIX, damaged_files,
-                                    describe_os_error, list_checkpoints, read_manifest, warn)
+from videodit.checkpoint.io import (CHECKPOINT_RE, DELETING_PREFIX, EXPORT_RECORD, EXPORT_RUN_CONFIG, STAGING_PREFIX,
+                                    damaged_files, list_checkpoints, read_manifest, warn)
 from videodit.checkpoint.loaded import LoadedCheckpoint
 from videodit.checkpoint.lora import adapted_model, lora_config, merge_record, merged_run_config
-from videodit.checkpoint.manager import _pid_alive, best_checkpoints, read_events
-from videodit.checkpoint.writer import fsync_path, write_safetensors
+from videodit.checkpoint.manager import best_checkpoints, read_events
+from videodit.checkpoint.staging import STAGING_OWNER, check_empty, remove_stale_staging, staged_folder  # noqa: F401
+from videodit.checkpoint.writer import write_safetensors
 from videodit.components import model_geometry, one_model_tensors
 from videodit.config import from_yaml
 from videodit.errors import UserError
@@ -298,10 +295,45 @@ def export_dtype(dtype: str) -> torch.dtype:
     return EXPORT_DTYPES[dtype]
 
 
-def check_new_folder(out_dir: str | Path) -> None:
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise UserError(f"{out_dir} already exists and is not empty; pass a new output folder or delete it")
+def check_new_folder(out_dir: str | Path, verb: str = "export") -> None:
+    """``out_dir`` may be written: a new or empty folder outside every folder videodit manages and
+    deletes (:func:`managed_folder`); else one line."""
+    check_empty(out_dir)
+    managed = managed_folder(out_dir)
+    if managed is not None:
+        raise UserError(f"{out_dir} is inside {managed}: anything written there may be deleted; {verb} to a folder "
+                        "outside it")
+
+
+# The files of a run folder (train/run_folder.py writes them): its checkpoints/ is the manager's.
+_RUN_FILES = ("checkpoints.jsonl", "run_info.json", "metrics.jsonl")
+
+
+def managed_folder(path: str | Path) -> str | None:
+    """The folder videodit manages and deletes in (named, with what deletes there) that holds ``path``
+    (symlinks resolved), or None: a run's ``checkpoints/`` (retention deletes whole checkpoints and
+    what saves and exports leave), a checkpoint, a staging or deleting folder, a feature cache."""
+    resolved = Path(os.path.abspath(path)).resolve()
+    for folder in resolved.parents:
+        name = folder.name
+        if name.startswith((STAGING_PREFIX, DELETING_PREFIX)):
+            return f"{folder}, an unfinished write or delete, which videodit removes"
+        if CHECKPOINT_RE.match(name) and (folder / "manifest.json").is_file():
+            return f"the checkpoint {folder}, which retention (checkpoint.save_total_limit) deletes whole"
+        run = any((folder.parent / f).is_file() for f in _RUN_FILES)
+        if name == "checkpoints" and (run or list_checkpoints(folder)):
+            return f"the run's checkpoints folder {folder}, where retention deletes"
+        if (folder / "shards").is_dir() and _is_cache(folder):
+            return f"the feature cache {folder}, whose files cache build replaces"
+    return None
+
+
+def _is_cache(folder: Path) -> bool:
+    try:
+        manifest = read_user_json(folder / "manifest.json", max_bytes=16 << 20)
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == "videodit-feature-cache"
 
 
 def checkpoint_weights(loaded: LoadedCheckpoint, use_ema: bool,
@@ -335,16 +367,7 @@ def write_folder(out_dir: str | Path, weights: dict[str, tuple[dict[str, torch.T
                  files: dict[str, str], verb: str = "export") -> Path:
     """:func:`write_model_folder` for any number of safetensors files (``{relative name: (tensors,
     metadata)}``, in subfolders too) beside the text ``files``."""
-    out_dir = Path(out_dir)
-    check_new_folder(out_dir)
-    parent = out_dir.parent
-    staging = parent / f"{STAGING_PREFIX}{out_dir.name}-{os.getpid()}"
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_staging(parent, out_dir.name)
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
-        (staging / STAGING_OWNER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    with staged_folder(out_dir, verb) as staging:
         for name in {str(Path(name).parent) for name in (*weights, *files)} - {"."}:
             (staging / name).mkdir(parents=True, exist_ok=True)
         for name, (tensors, metadata) in weights.items():
@@ -354,59 +377,7 @@ def write_folder(out_dir: str | Path, weights: dict[str, tuple[dict[str, torch.T
                 handle.write(text)
                 handle.flush()
                 os.fsync(handle.fileno())
-        (staging / STAGING_OWNER).unlink()
-        fsync_path(staging)
-        os.replace(staging, out_dir)   # onto a missing or empty folder
-        fsync_path(parent)
-    except OSError as exc:
-        shutil.rmtree(staging, ignore_errors=True)
-        what, kind = describe_os_error(exc)
-        fix = {"space": f"free space in {parent}",
-               "permission": f"make {parent} writable or {verb} to a writable folder",
-               "other": f"fix the problem with {parent} and {verb} again"}[kind]
-        message = " ".join(f"{verb} failed: {what}; {fix}; nothing was written to {out_dir}".split())
-        raise UserError(message) from exc
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out_dir
-
-
-# Inside a staging folder while it is written: who writes it ({"pid", "host"}), so the next
-# export or import beside it removes it once that process is gone (a killed export).
-STAGING_OWNER = ".videodit-staging.json"
-
-
-def remove_stale_staging(parent: Path, name: str) -> list[Path]:
-    """Remove the staging folders that exports and imports killed before their rename left in
-    ``parent`` (``.staging-NAME-PID``): those of ``name`` (the same output again) whose process
-    is gone, and those of any name whose owner record says a process of this host that is gone.
-    A folder of a process still running, or of another host (a shared folder), stays."""
-    removed = []
-    with contextlib.suppress(OSError):
-        for path in sorted(parent.iterdir()):
-            match = re.fullmatch(re.escape(STAGING_PREFIX) + r"(.+)-(\d+)", path.name)
-            if match is None or not path.is_dir() or path.is_symlink() or int(match.group(2)) == os.getpid():
-                continue
-            owner = _staging_owner(path)
-            if owner is not None:
-                stale = owner["host"] == socket.gethostname() and not _pid_alive(owner["pid"])
-            else:   # killed before it wrote its record (or written by an older videodit): only our own output's
-                stale = match.group(1) == name and not _pid_alive(int(match.group(2)))
-            if stale:
-                shutil.rmtree(path, ignore_errors=True)
-                if not path.exists():
-                    removed.append(path)
-                    warn(f"removed {path}, left by an export or import that was stopped before it finished")
-    return removed
-
-
-def _staging_owner(path: Path) -> dict | None:
-    try:
-        owner = read_user_json(path / STAGING_OWNER, max_bytes=1 << 16)
-        return {"pid": int(owner["pid"]), "host": str(owner["host"])}
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    return Path(out_dir)
 
 
 def run_geometry(run_config: str, tensors: dict[str, torch.Tensor]):

@@ -59,35 +59,58 @@ def cmd_ckpt_export(ns) -> int:
 
 def _export_experts(ns) -> Path:
     """A two-expert model from two expert runs, in the release's two-folder layout (Wan 2.2 A14B:
-    high_noise_model/ + low_noise_model/, or diffusers' transformer/ + transformer_2/)."""
-    from videodit.checkpoint import LoadedCheckpoint, export_released
+    high_noise_model/ + low_noise_model/, or diffusers' transformer/ + transformer_2/); a refusal
+    of either expert leaves nothing."""
+    from videodit.checkpoint import LoadedCheckpoint
+    from videodit.checkpoint.convert import export_released_pair
+    from videodit.checkpoint.tools import check_new_folder
     from videodit.config import from_yaml
     from videodit.models.families import get_spec
     from videodit.sample import expert_boundary
 
-    out = Path(ns.out)
-    if out.exists():
-        raise UserError(f"{out} exists; pass a new folder for the two experts")
+    check_new_folder(ns.out)
     runs = [LoadedCheckpoint(path) for path in (ns.ckpt, ns.low_noise_ckpt)]
     high_cfg, low_cfg = (from_yaml(run.config_yaml(), f"the config of {run.path}") for run in runs)
     expert_boundary(high_cfg, low_cfg, runs[0].path, runs[1].path)   # a pair trained together, or one line
     folders = get_spec(high_cfg.model.family).expert_folders.get(ns.format)
     if folders is None:
         raise UserError(f"the {high_cfg.model.family} family has no two-expert layout for --format {ns.format}")
-    for run, folder in zip((ns.ckpt, ns.low_noise_ckpt), folders):
-        export_released(run, out / folder, ns.format, use_ema=ns.ema, dtype=ns.dtype)
-    return out
+    return export_released_pair((ns.ckpt, ns.low_noise_ckpt), ns.out, ns.format, folders, use_ema=ns.ema,
+                                dtype=ns.dtype)
 
 
 def cmd_ckpt_import(ns) -> int:
-    from videodit.checkpoint import import_released
-
+    """The config recorded with the weights is --config, or the family's recipe for them (a config
+    of another family is refused); every check runs before anything is written."""
+    from videodit.checkpoint.convert import import_hints, read_released, write_imported
+    from videodit.checkpoint.tools import check_new_folder, export_dtype
     from videodit.config import load_config, to_yaml
+    from videodit.models.families import released_spec
 
-    run_config = to_yaml(load_config(ns.config, ns.overrides))   # checked before anything is written
-    out = import_released(ns.src, ns.out, run_config, use_ema=ns.ema, dtype=ns.dtype)
-    print(f"imported to {out} (videodit sample --ckpt {out} samples with {ns.config}'s encoders; "
-          f"model.init_from={out} fine-tunes it)")
+    export_dtype(ns.dtype)
+    check_new_folder(ns.out, "import")
+    spec = released_spec(ns.src)
+    name = ns.config or spec and spec.released_config(None) or "opensora-v1.2-stage3"
+    cfg = load_config(name, ns.overrides)
+    if spec is not None and cfg.model.family != spec.family:
+        raise UserError(f"--config {name} describes a {cfg.model.family} model, but {ns.src} holds "
+                        f"{spec.released_name} weights ({spec.family}); pass a {spec.family} config (e.g. --config "
+                        f"{spec.released_config(None)}) or leave --config out")
+    released = read_released(ns.src, ns.ema, import_hints(cfg.model))
+    if ns.config is None:   # the recipe of this release (its encoders, its sampling)
+        name = spec.released_config(released.geometry, released.experts)
+        if name is None:
+            raise UserError(f"no recipe of videodit's fits the {spec.released_short} model in {ns.src}; pass the "
+                            f"config to record with it: --config CONFIG (a {spec.family} config)")
+        cfg = load_config(name, ns.overrides)
+    out = write_imported(released, ns.out, to_yaml(cfg), use_ema=ns.ema, dtype=ns.dtype)
+    if released.experts:
+        high, low = (spec.expert_source(out, expert) for expert in ("high", "low"))
+        print(f"imported two experts to {out} (videodit sample --ckpt {high} --low-noise-ckpt {low} samples them "
+              f"with {name}'s encoders; model.init_from={out} with model.expert=high, low or both fine-tunes them)")
+    else:
+        print(f"imported to {out} (videodit sample --ckpt {out} samples with {name}'s encoders; "
+              f"model.init_from={out} fine-tunes it)")
     return 0
 
 
@@ -146,15 +169,18 @@ def register(sub) -> None:
                    "and RoPE layout")
     q.set_defaults(func=cmd_ckpt_export)
     q = ksub.add_parser("import", help="convert released weights (Open-Sora 1.2 STDiT3: its folder, a training "
-                        "checkpoint or its ema.pt; Wan 2.1: its folder or a diffusers one; Open-Sora 2.0: "
-                        "Open_Sora_v2.safetensors or a training checkpoint) into a videodit model folder")
+                        "checkpoint or its ema.pt; Wan 2.1/2.2: its folder or a diffusers one, a two-expert one "
+                        "becoming one folder per expert; Open-Sora 2.0: Open_Sora_v2.safetensors or a training "
+                        "checkpoint) into a videodit model folder")
     q.add_argument("src")
     q.add_argument("out")
     q.add_argument("--ema", action="store_true", help="a training checkpoint's EMA weights (ema.pt)")
     q.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
-    q.add_argument("--config", default="opensora-v1.2-stage3", help="config recorded with the weights: its "
-                   "encoders (vae.path, text.path) and sample.* are what `videodit sample` uses (default: "
-                   "opensora-v1.2-stage3, encoders in pretrained/)")
+    q.add_argument("--config", help="config recorded with the weights: its encoders (vae.path, text.path) and "
+                   "sample.* are what `videodit sample` uses (default: the recipe of the release: Open-Sora 1.2: "
+                   "opensora-v1.2-stage3; Wan: wan2.1-t2v-1.3b-finetune, wan2.1-t2v-14b-lora, "
+                   "wan2.1-i2v-14b-lora, wan2.2-ti2v-5b-finetune or, for two experts, wan2.2-t2v-a14b-lora; "
+                   "Open-Sora 2.0: opensora-v2-stage1 or opensora-v2-hc; encoders in pretrained/ or ckpts/)")
     q.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of --config, e.g. vae.path=DIR")
     q.set_defaults(func=cmd_ckpt_import)
 

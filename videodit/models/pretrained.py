@@ -8,6 +8,10 @@ on the fly. Nothing from the folder is executed.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import types
+import typing
 from pathlib import Path
 
 import torch
@@ -16,6 +20,7 @@ from torch import nn
 
 from videodit.errors import UserError
 from videodit.models.families import families, released_spec, spec_for_model_type
+from videodit.models.weight_files import MAX_SIZE, MAX_TOKENS, ConfigValues, build_bounded
 from videodit.user_files import check_regular_file, read_user_json
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
@@ -32,25 +37,85 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu", ema: b
         raise UserError(f"{path} is not a model folder: pass a videodit one ({CONFIG_NAME} + {WEIGHTS_NAME}, as "
                         "videodit ckpt export writes it) or released weights "
                         f"({', '.join(s.released_name for s in families().values())})")
+    spec, geometry = folder_geometry(path)
+    weights = load_file(str(check_regular_file(path / WEIGHTS_NAME)))
+    return _filled(spec, geometry, weights).to(device)
+
+
+def folder_geometry(path: str | Path):
+    """(spec, geometry) of a videodit model folder's config.json, every value checked as the schema
+    checks its own (the right type, finite, in range) before the geometry is made."""
+    config = Path(path) / CONFIG_NAME
     try:
         config_dict = read_user_json(config)
     except (ValueError, UnicodeDecodeError) as exc:
         raise UserError(f"{config} is not valid JSON ({exc}); write it with videodit ckpt export") from None
-    model_type = config_dict.get("model_type") if isinstance(config_dict, dict) else None
+    if not isinstance(config_dict, dict):
+        raise UserError(f"{config} is not a JSON object; write it with videodit ckpt export")
+    model_type = config_dict.get("model_type")
     # Folders written before model families carried STDiT's arguments; its reader names what is missing.
     spec = spec_for_model_type(model_type) if model_type is not None else families()["stdit"]
     if spec is None:
         known = ", ".join(repr(s.model_type) for s in families().values())
-        raise UserError(f"{config} describes a {model_type!r} model; videodit loads its own model folders "
+        raise UserError(f"{config} describes a {str(model_type)[:40]!r} model; videodit loads its own model folders "
                         f"({known}) and released weights")
-    weights = load_file(str(check_regular_file(path / WEIGHTS_NAME)))
-    return _filled(spec, spec.geometry_from_config(config_dict), weights).to(device)
+    check_geometry_values(config_dict, spec.geometry_type, config)
+    try:
+        return spec, spec.geometry_from_config(config_dict)
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as exc:
+        raise UserError(f"{config} is not a videodit {spec.family} config ({' '.join(str(exc).split())[:160]}); "
+                        "write it with videodit ckpt export") from None
+
+
+def check_geometry_values(config: dict, geometry_type, where) -> None:
+    """The values ``config`` gives a geometry's fields, by each field's type: whole numbers from 0 to
+    MAX_SIZE (token counts, fields named ``*_len``/``*_length``, from 1 to MAX_TOKENS), finite
+    positive numbers, true or false, strings, lists of whole numbers; one line for the first bad one."""
+    values = ConfigValues(config, where, "write it with videodit ckpt export")
+    hints = typing.get_type_hints(geometry_type)
+    for field in dataclasses.fields(geometry_type):
+        if field.name not in config:
+            continue
+        hint, name = hints[field.name], field.name
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if type(None) in typing.get_args(hint) and config[name] is None:
+            continue
+        kind = args[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1 else hint
+        if kind is bool:
+            values.bool(name)
+        elif kind is int:
+            tokens = name.endswith(("_len", "_length"))
+            values.int(name, low=1 if tokens else 0, high=MAX_TOKENS if tokens else MAX_SIZE)
+        elif kind is float:
+            values.float(name, below=math.inf)
+        elif kind is str and not isinstance(config[name], str):
+            raise UserError(f"{where}: {name}={str(config[name])[:40]!r} is not a string; write it with videodit "
+                            "ckpt export")
+        elif typing.get_origin(kind) is tuple and all(a is int for a in typing.get_args(kind)):
+            values.ints(name, length=len(typing.get_args(kind)), high=MAX_SIZE)
+
+
+def check_fits(spec, geometry, shapes: dict[str, tuple[int, ...]], where) -> None:
+    """The weights (names -> shapes) are exactly those of the model ``geometry`` describes (built on
+    the meta device only while it needs not far more tensors than the weights hold), or one line."""
+    model = build_bounded(lambda: spec.build(geometry), len(shapes), f"{where}: the weights do not fit a "
+                          f"{spec.family} model of their config: it needs far more tensors than the {len(shapes)} "
+                          "they hold")
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    odd = sorted(expected.keys() ^ shapes.keys()) or [n for n in expected if tuple(shapes[n]) != expected[n]]
+    if odd:
+        name = odd[0]
+        problem = ("is missing" if name not in shapes else "is not in the model" if name not in expected else
+                   f"is {list(shapes[name])}, the config gives {list(expected[name])}")
+        raise UserError(f"{where}: the weights do not fit a {spec.family} model of their config ({name} {problem}); "
+                        "write the folder again with videodit ckpt export")
 
 
 def _filled(spec, geometry, tensors: dict[str, torch.Tensor]) -> nn.Module:
-    """The family's model built on the meta device and given ``tensors`` (fp32), strictly."""
-    with torch.device("meta"):
-        model = spec.build(geometry)
+    """The family's model built on the meta device (only while it needs not far more tensors than
+    ``tensors``) and given ``tensors`` (fp32), strictly."""
+    model = build_bounded(lambda: spec.build(geometry), len(tensors), f"the weights do not fit a {spec.family} "
+                          f"model of their config: it needs far more tensors than the {len(tensors)} they hold")
     try:
         model.load_state_dict({name: t.float() if t.is_floating_point() else t for name, t in tensors.items()},
                               assign=True)

@@ -124,6 +124,13 @@ class ActivationProfile:
     # The caption is a stream through the blocks (the MMDiT's text tokens), not one tensor they
     # all read: each block's input holds it, so full checkpointing keeps it once per block.
     caption_stream: bool = False
+    # What a checkpointed block holds as its inputs besides the token stream(s): tensors made
+    # outside the blocks that every block reads and plain training frees after forward (LTX-2's
+    # per-token modulation [B, T, rows D]), kept once, on the rank's tokens, while any block is
+    # checkpointed. ``residual_low``: the token stream a checkpointed block keeps as its input is
+    # in the compute dtype under autocast (LTX-2's bf16 residual stream), else fp32.
+    checkpoint_inputs: tuple[Saved, ...] = ()
+    residual_low: bool = False
 
 
 @dataclass(frozen=True)
@@ -151,6 +158,9 @@ class ModelSpec:
     sequence_parallel: str            # "stdit_frames" or "full_attention" (parallel/ maps it)
     sequence_args: dict = {}          # full_attention: block arg -> token dim, or (dim, ndim) when per token
     block_streams: int = 1            # token streams a block passes on (its first outputs = next block's first args)
+    # full_attention: attention kinds whose queries are whole on every SP rank and whose keys are the
+    # sharded tokens (LTX-2's video -> audio attention), run as a ring over the SP group
+    whole_query_kinds: tuple[str, ...] = ()
     released_encoders: tuple[int, int, int]   # (latent channels, caption channels, caption tokens) of its releases
 
     # ------------------------------------------------------------------ build
@@ -223,6 +233,10 @@ class ModelSpec:
     # the (high, low) experts' name prefixes in the module :meth:`combine_experts` builds
     expert_prefixes: tuple[str, str] = ()
     released_fix: str = ""            # what to set when released weights do not fit the model
+    # Geometry fields a run may set apart from the weights it starts from (model.init_from compares
+    # every other field), and the option that sets a field whose model.* key is not its own name.
+    run_fields: tuple[str, ...] = ()
+    field_options: dict[str, str] = {}
     export_formats: tuple[str, ...] = ()   # ``ckpt export --format`` values besides videodit's own
     # ``ckpt export --lora-format`` values whose files load somewhere for this family (peft's loads
     # onto any videodit model; diffusers and ComfyUI need a pipeline or model of theirs)
@@ -245,6 +259,17 @@ class ModelSpec:
         """The weight files of released weights that the model reads (a LoRA base's fingerprint)."""
         suffixes = (".safetensors", ".pt", ".pth", ".bin")
         return [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.suffix in suffixes)
+
+    def read_released_like(self, path: Path, ema: bool = False, like: dict | None = None):
+        """:meth:`read_released`, where ``like`` (field -> value of the model the weights are read
+        for: a run's model.* or geometry) gives what the released files cannot say; default: nothing."""
+        return self.read_released(path, ema=ema)
+
+    def released_config(self, geometry, experts: bool = False) -> str | None:
+        """The config ``ckpt import`` records with released weights of ``geometry`` (``experts``: a
+        two-expert model; None: the family's usual one) when no --config is given: the recipe whose
+        encoders and sampling fit them; None when none does."""
+        return None
 
     def expert_source(self, path: Path, expert: str) -> Path | None:
         """The folder of one expert ("high" or "low") when ``path`` holds a two-expert model, else None."""

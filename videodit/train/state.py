@@ -161,7 +161,7 @@ def init_weights_from(model: torch.nn.Module, source: str) -> str:
     if released is not None:   # released weights (Open-Sora STDiT3, Wan), converted on the fly
         fix = released.released_fix
     # What a source gives (checkpoint/lora.py): the same weights a LoRA run's sampling takes as its base.
-    weights, taken = init_weights(source)
+    weights, taken = init_weights(source, like=getattr(model, "geometry", None))   # its architecture, too
     own = model.state_dict()
     for name, tensor in own.items():
         if name not in weights:

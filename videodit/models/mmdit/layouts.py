@@ -30,12 +30,15 @@ import torch
 
 from videodit.errors import UserError
 from videodit.models.mmdit.model import MMDiT, MMDiTGeometry
-from videodit.models.weight_files import LazyTensors, open_safetensors, read_json, read_weights
+from videodit.models.weight_files import (LazyTensors, build_bounded, merged_sources, open_safetensors, read_weights,
+                                          sharded_sources)
 
 RELEASED_FILE = "Open_Sora_v2.safetensors"
 RELEASED_AXES = (16, 56, 56)       # axes_dim of a 128-channel head, as released
 LAYOUTS = ("rotate_half", "interleaved")
 PROBE_KEYS = ("double_blocks.0.img_attn.q_proj.weight", "img_in.weight", "txt_in.weight")
+# Names only an MMDiT (Open-Sora 2.0's, or Flux's) has: a file with any of them is one, whole or not.
+_FAMILY_NAMES = re.compile(r"(double_blocks|single_blocks)\.[0-9]+\.|(img_in|txt_in|vector_in\.in_layer)\.weight$")
 _ROPE_PARAM = re.compile(r"(double_blocks\.\d+\.(img|txt)_attn\.|single_blocks\.\d+\.)"
                          r"(q_proj\.(weight|bias)|k_proj\.(weight|bias)|norm\.(query|key)_norm\.scale)")
 
@@ -94,59 +97,100 @@ class PermutedTensors(Mapping):
 
 def geometry_from_shapes(shapes: Mapping[str, tuple[int, ...]], where: Path,
                          axes_dim: tuple[int, int, int] | None = None) -> MMDiTGeometry:
-    """The geometry of Open-Sora 2.0 weights from their shapes. What shapes cannot say: the
-    RoPE split of a head (``axes_dim``: the released (16, 56, 56) for 128 channels, else the
-    same proportions 1/8, 7/16, 7/16), theta (1e4)."""
-    def need(key):
+    """The geometry of Open-Sora 2.0 weights from their shapes, each checked before use (its rank,
+    sizes of at least 1). What shapes cannot say: the RoPE split of a head (``axes_dim``, taken when
+    it fits the head: 3 even sizes summing to it; else the released (16, 56, 56) for 128 channels or
+    the same proportions 1/8, 7/16, 7/16), theta (1e4)."""
+    def need(key, rank):
         if key not in shapes:
             raise UserError(f"{where} lacks {key}, which every Open-Sora 2.0 MMDiT has; restore the file from "
                             "the original download")
-        return shapes[key]
-    hidden, in_channels = need("img_in.weight")
-    head_dim = need("double_blocks.0.img_attn.norm.query_norm.scale")[0] if any(
-        k.startswith("double_blocks.") for k in shapes) else need("single_blocks.0.norm.query_norm.scale")[0]
-    depth = _count(shapes, "double_blocks")
-    single = _count(shapes, "single_blocks")
+        shape = tuple(shapes[key])
+        if len(shape) != rank or not all(isinstance(d, int) and d >= 1 for d in shape):
+            raise UserError(f"{where}: {key} has shape {list(shape)}, not the {rank}-D shape of sizes of at least 1 "
+                            "an Open-Sora 2.0 MMDiT has; restore the file from the original download")
+        return shape
     if "double_blocks.0.img_attn.qkv.weight" in shapes or "single_blocks.0.linear1.weight" in shapes:
         raise UserError(f"{where} has fused qkv weights (Flux's own names, fused_qkv=True); videodit reads Open-Sora "
                         "2.0's unfused q_proj/k_proj/v_proj (v_mlp) layout")
-    cond = shapes.get("cond_in.weight")
-    if cond is not None:
-        patch_area = cond[1] - in_channels        # cond_in takes one more channel (the mask) per patch value
-    else:
-        patch_area = 4
-    patch = round(patch_area ** 0.5)
-    if patch * patch != patch_area or in_channels % patch_area:
+    hidden, in_channels = need("img_in.weight", 2)
+    depth = _count(shapes, "double_blocks", where)
+    single = _count(shapes, "single_blocks", where)
+    norm = "double_blocks.0.img_attn.norm.query_norm.scale" if depth else "single_blocks.0.norm.query_norm.scale"
+    head_dim = need(norm, 1)[0]
+    if hidden % head_dim:
+        raise UserError(f"{where}: heads of {head_dim} channels ({norm}) do not divide the width {hidden} "
+                        "(img_in.weight); restore the file from the original download")
+    cond = need("cond_in.weight", 2) if "cond_in.weight" in shapes else None
+    patch_area = cond[1] - in_channels if cond is not None else 4   # one more channel (the mask) per patch value
+    patch = round(patch_area ** 0.5) if patch_area > 0 else 0
+    if patch < 1 or patch * patch != patch_area or in_channels % patch_area:
         raise UserError(f"{where}: img_in takes {in_channels} values and cond_in {cond[1] if cond else '-'}, which "
                         "fit no square patch; the file is not an Open-Sora 2.0 MMDiT")
-    if axes_dim is None:
-        axes_dim = RELEASED_AXES if head_dim == 128 else default_axes(head_dim, where)
-    mlp = (need("double_blocks.0.img_mlp.0.weight")[0] if depth
-           else need("single_blocks.0.v_mlp.weight")[0] - hidden)
+    axes = tuple(axes_dim) if axes_dim is not None else None
+    if axes is None or not rope_split_fits(axes, head_dim):
+        axes = RELEASED_AXES if head_dim == 128 else released_axes(head_dim)
+        if axes is None:
+            raise UserError(no_split_message(head_dim, where, axes_dim))
+    mlp = (need("double_blocks.0.img_mlp.0.weight", 2)[0] if depth
+           else need("single_blocks.0.v_mlp.weight", 2)[0] - hidden)
+    if mlp < 1:
+        raise UserError(f"{where}: single_blocks.0.v_mlp.weight is narrower than the width {hidden}; restore the file "
+                        "from the original download")
     return MMDiTGeometry(hidden_size=hidden, num_heads=hidden // head_dim, depth=depth, depth_single_blocks=single,
                          latent_channels=in_channels // patch_area, mlp_ratio=mlp / hidden,
-                         patch_size=(1, patch, patch), vec_in_dim=need("vector_in.in_layer.weight")[1],
-                         context_in_dim=need("txt_in.weight")[1], axes_dim=tuple(axes_dim),
+                         patch_size=(1, patch, patch), vec_in_dim=need("vector_in.in_layer.weight", 2)[1],
+                         context_in_dim=need("txt_in.weight", 2)[1], axes_dim=axes,
                          qkv_bias=(depth == 0 or "double_blocks.0.img_attn.q_proj.bias" in shapes),
                          cond_embed=cond is not None)
 
 
-def default_axes(head_dim: int, where: Path | str = "the model") -> tuple[int, int, int]:
-    """The released split's proportions (16, 56, 56 of 128) for another head size."""
+def rope_split_fits(axes_dim, head_dim: int) -> bool:
+    """3 even sizes summing to the head size."""
+    return (len(axes_dim) == 3 and all(isinstance(a, int) and a >= 2 and a % 2 == 0 for a in axes_dim)
+            and sum(axes_dim) == head_dim)
+
+
+def released_axes(head_dim: int) -> tuple[int, int, int] | None:
+    """The released split's proportions (16, 56, 56 of 128) for another head size; None when they
+    give no split (head sizes not divisible by 32)."""
     side = 7 * head_dim // 16
     frames = head_dim - 2 * side
     if head_dim % 32 or frames <= 0:
-        raise UserError(f"{where}: heads of {head_dim} channels have no RoPE split in the released proportions "
-                        "(1/8 frames, 7/16 rows, 7/16 columns: head sizes divisible by 32); set model.axes_dim")
+        return None
     return frames, side, side
 
 
-def _count(shapes, prefix: str) -> int:
-    found = {int(m[1]) for k in shapes if (m := re.match(rf"{prefix}\.(\d+)\.", k))}
-    if found and found != set(range(len(found))):
-        missing = sorted(set(range(max(found) + 1)) - found)
-        raise UserError(f"the weights lack {prefix}.{missing[0]} (of {max(found) + 1}); restore the file from the "
-                        "original download")
+def no_split_message(head_dim: int, where, wished=None) -> str:
+    """Why heads of ``head_dim`` channels have no known RoPE split, and the override that gives one."""
+    text = (f"{where}: heads of {head_dim} channels have no RoPE split in the released proportions (1/8 frames, "
+            "7/16 rows, 7/16 columns: head sizes divisible by 32)")
+    if wished is not None and sum(wished) != head_dim:
+        return (f"{text}, and model.axes_dim={list(wished)} splits heads of {sum(wished)}: set model.hidden_size / "
+                f"model.num_heads to heads of {head_dim} channels and model.axes_dim to 3 even sizes summing to "
+                f"{head_dim}")
+    return f"{text}; give one with model.axes_dim=[frames,rows,columns]: 3 even sizes summing to {head_dim}"
+
+
+def default_axes(head_dim: int, where: Path | str = "the model") -> tuple[int, int, int]:
+    """The released split's proportions (16, 56, 56 of 128) for another head size, or one line."""
+    axes = released_axes(head_dim)
+    if axes is None:
+        raise UserError(no_split_message(head_dim, where))
+    return axes
+
+
+_INDEX = {prefix: re.compile(rf"{prefix}\.([0-9]+)\.") for prefix in ("double_blocks", "single_blocks")}
+
+
+def _count(shapes, prefix: str, where) -> int:
+    """How many blocks of ``prefix`` the names number 0, 1, ...; the work is bounded by the names
+    (an index of 10^12 is a missing block, never a range to build)."""
+    found = {int(m[1]) for k in shapes if (m := _INDEX[prefix].match(k)) and len(m[1]) <= 9}
+    for index in range(len(found)):
+        if index not in found:
+            raise UserError(f"{where}: the weights number {prefix} up to {max(found)} but lack {prefix}.{index}; "
+                            "restore the file from the original download")
     return len(found)
 
 
@@ -157,10 +201,16 @@ def is_opensora2_file(path: Path) -> bool:
     if not (path.is_file() and path.suffix == ".safetensors"):
         return False
     try:
-        keys = set(open_safetensors(path).keys())
+        keys = open_safetensors(path).keys()
     except UserError:
         return False
-    return all(k in keys for k in PROBE_KEYS)
+    return is_mmdit_names(keys)
+
+
+def is_mmdit_names(keys) -> bool:
+    """Whether tensor names are an MMDiT's (any of its own names: a file lacking some is still one,
+    and its reader names what is missing instead of another family's reader)."""
+    return any(_FAMILY_NAMES.search(k) for k in keys)
 
 
 # Files of videodit's own folders (model folders, checkpoints), which are never Open-Sora's.
@@ -190,32 +240,29 @@ def is_opensora2_layout(path: str | Path) -> bool:
     folder = _checkpoint_model_folder(path)
     if folder is None:
         return False
-    sources = _weight_sources_or_none(folder)
-    return all(k in sources for k in PROBE_KEYS)
+    return is_mmdit_names(_weight_sources_or_none(folder) or {})
 
 
 def _weight_sources_or_none(folder: Path) -> dict[str, tuple[Path, str]] | None:
     """name -> (file, name in the file) of a folder's safetensors: the shards an ``*.index.json``
     names (ColossalAI's), or every ``*.safetensors`` beside none. None if it holds none."""
     indexes = sorted(folder.glob("*.safetensors.index.json"))
-    sources: dict[str, tuple[Path, str]] = {}
+    if len(indexes) > 1:
+        raise UserError(f"{folder} holds {len(indexes)} indexes ({', '.join(i.name for i in indexes[:3])}); which "
+                        "shards make the model is ambiguous: keep the index of one checkpoint")
     if indexes:
-        weight_map = read_json(indexes[0]).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise UserError(f"{indexes[0]} has no weight_map; restore it from the original checkpoint")
-        for name, shard in weight_map.items():
-            if Path(str(shard)).name != shard:
-                raise UserError(f"{indexes[0]} names a shard outside its folder ({shard!r})")
-            sources[name] = (folder / shard, name)
+        sources = sharded_sources(indexes[0])
     else:
+        files = []
         for file in sorted(folder.glob("*.safetensors")):
             if file.name.startswith("ema"):
                 continue
             try:
-                keys = open_safetensors(file).keys()
+                open_safetensors(file)
             except UserError:
                 continue
-            sources.update({k: (file, k) for k in keys})
+            files.append(file)
+        sources = merged_sources(files)
     if not sources:
         return None
     if all(k.startswith("module.") for k in sources):   # a DDP-wrapped model's names
@@ -276,8 +323,11 @@ def expected_shapes(geometry: MMDiTGeometry) -> dict[str, tuple[int, ...]]:
 
 
 def check_names(geometry: MMDiTGeometry, shapes: Mapping[str, tuple[int, ...]], where: Path) -> None:
-    """Strict: every key of the model, no other, each of its shape; one line naming the first few."""
-    expected = expected_shapes(geometry)
+    """Strict: every key of the model, no other, each of its shape; one line naming the first few.
+    The model is built (on the meta device) only while it needs not far more tensors than ``shapes`` holds."""
+    model = build_bounded(lambda: MMDiT(geometry), len(shapes), f"{where}: its names describe an MMDiT of far more "
+                          f"tensors than the {len(shapes)} it holds; restore the file from the original download")
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing = sorted(set(expected) - set(shapes))
     unexpected = sorted(set(shapes) - set(expected))
     if missing or unexpected:

@@ -137,6 +137,17 @@ class MMDiTSpec(ModelSpec):
         """Lazy: each tensor is read from its file when asked for; checked strictly first."""
         return layouts.read_opensora2(path, ema=ema)
 
+    run_fields = ("bf16_timesteps",)   # how t is rounded (a precision), not the network
+    field_options = {"depth_single_blocks": "model.depth_single"}
+
+    def read_released_like(self, path, ema: bool = False, like: dict | None = None):
+        """The file has no RoPE split: ``like``'s ``axes_dim`` where it fits the heads."""
+        axes = (like or {}).get("axes_dim")
+        return layouts.read_opensora2(path, ema=ema, axes_dim=tuple(axes) if axes else None)
+
+    def released_config(self, geometry, experts: bool = False) -> str | None:
+        return "opensora-v2-hc" if geometry is not None and geometry.patch == 1 else "opensora-v2-stage1"
+
     def released_files(self, path):
         if path.is_file():
             return [path]
@@ -153,11 +164,11 @@ class MMDiTSpec(ModelSpec):
         if fmt != "opensora-v2":
             raise UserError(f"--format {fmt} does not apply to an MMDiT; it exports as: "
                             f"{', '.join(('videodit',) + self.export_formats)}")
-        implied = layouts.RELEASED_AXES if geometry.head_dim == 128 else layouts.default_axes(geometry.head_dim)
-        if tuple(geometry.axes_dim) != tuple(implied):   # the file cannot say it: a reader would assume the usual
+        implied = layouts.RELEASED_AXES if geometry.head_dim == 128 else layouts.released_axes(geometry.head_dim)
+        if implied is None or tuple(geometry.axes_dim) != tuple(implied):   # the file cannot say it
             raise UserError(f"model.axes_dim={list(geometry.axes_dim)} is not the released RoPE split of a "
-                            f"{geometry.head_dim}-channel head ({list(implied)}), which Open_Sora_v2.safetensors "
-                            "cannot record; export it as a videodit folder (no --format)")
+                            f"{geometry.head_dim}-channel head ({list(implied) if implied else 'none'}), which "
+                            "Open_Sora_v2.safetensors cannot record; export it as a videodit folder (no --format)")
         config = json.dumps(layouts.opensora_model_config(geometry), indent=2) + "\n"
         return layouts.to_released(tensors, geometry), {"opensora_model_config.json": config}, layouts.RELEASED_FILE
 

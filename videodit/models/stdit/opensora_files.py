@@ -27,7 +27,7 @@ from videodit.errors import UserError
 from videodit.models.stdit.opensora_stdit import (config_from_weights, from_opensora, geometry_from_opensora,
                                             is_opensora_config, opensora_config, to_opensora)
 from videodit.models.stdit.model import DiTGeometry, STDiT
-from videodit.models.weight_files import read_json, read_weights
+from videodit.models.weight_files import check_shards, read_index, read_json, read_weights
 
 WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -128,16 +128,11 @@ def save_opensora(model: STDiT, folder: str | Path, dtype: torch.dtype | None = 
 def _read_folder_weights(folder: Path) -> dict[str, torch.Tensor]:
     """The weights of a folder: one file, or the shards a ``*.index.json`` names."""
     for index_name in INDEX_NAMES:
-        if (folder / index_name).exists():
-            weight_map = read_json(folder / index_name).get("weight_map")
-            if not isinstance(weight_map, dict):
-                raise UserError(f"{folder / index_name} has no weight_map; restore it from the original checkpoint")
-            state = {}
-            for name in sorted(set(weight_map.values())):
-                if Path(name).name != name:   # shards live beside their index
-                    raise UserError(f"{folder / index_name} names a shard outside its folder ({name!r})")
-                state.update(read_weights(folder / name))
-            return state
+        if (folder / index_name).exists():   # exactly what the index names: no later shard wins
+            weight_map = read_index(folder / index_name)
+            shards = {name: read_weights(folder / name) for name in sorted(set(weight_map.values()))}
+            check_shards(folder / index_name, weight_map, shards)
+            return {name: tensor for shard in shards.values() for name, tensor in shard.items()}
     for name in SINGLE_NAMES:
         if (folder / name).exists():   # a FIFO in its place is refused when read
             return read_weights(folder / name)

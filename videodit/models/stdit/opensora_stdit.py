@@ -28,6 +28,7 @@ import torch
 from videodit.errors import UserError
 from videodit.models.layers import OPENSORA_BASE_PIXELS, RotaryEmbedding
 from videodit.models.stdit.model import DiTGeometry, STDiT
+from videodit.models.weight_files import ConfigValues, build_bounded
 
 OPENSORA_MODEL_TYPE = "STDiT3"
 # STDiT3Config's defaults (v1.2.0), for keys a config.json leaves out.
@@ -59,6 +60,9 @@ def geometry_from_opensora(config: dict) -> DiTGeometry:
         raise UserError(f"this STDiT3 config has input_sq_size={c['input_sq_size']} skip_y_embedder="
                         f"{c['skip_y_embedder']}; videodit converts Open-Sora 1.2's (input_sq_size=512, "
                         "skip_y_embedder=false) only")
+    values = ConfigValues(c, "the STDiT3 config.json", "restore the config.json of the Open-Sora download")
+    values.bool("qk_norm")
+    values.bool("pred_sigma", True)
     return DiTGeometry(in_channels=int(c["in_channels"]), caption_channels=int(c["caption_channels"]),
                        caption_length=int(c["model_max_length"]), depth=int(c["depth"]),
                        hidden_size=int(c["hidden_size"]), num_heads=int(c["num_heads"]),
@@ -82,7 +86,7 @@ def config_from_weights(state: dict[str, torch.Tensor]) -> dict:
         embed = state["x_embedder.proj.weight"]
         hidden, channels, patch = embed.shape[0], embed.shape[1], list(embed.shape[2:])
         head_dim = 2 * state["rope.freqs"].shape[0]
-        depth = 1 + max(int(n.split(".")[1]) for n in state if n.startswith("spatial_blocks."))
+        depth = _block_count(state)
         sigma = state["final_layer.linear.weight"].shape[0] == 2 * channels * math.prod(patch)
         return {"model_type": OPENSORA_MODEL_TYPE, "in_channels": channels, "patch_size": patch,
                 "hidden_size": hidden, "depth": depth, "num_heads": hidden // head_dim,
@@ -93,6 +97,22 @@ def config_from_weights(state: dict[str, torch.Tensor]) -> dict:
     except (KeyError, ValueError, IndexError) as exc:
         raise UserError(f"these weights are not an Open-Sora STDiT3 state dict (no {exc}); pass an STDiT3 "
                         "folder (config.json + model.safetensors) or an Open-Sora 1.2 training checkpoint") from None
+
+
+_SPATIAL = re.compile(r"spatial_blocks\.([0-9]{1,9})\.")
+
+
+def _block_count(state) -> int:
+    """The spatial blocks the names number 0, 1, ...: counted off the names (an index of 10^12 is a
+    missing block, never a range to build)."""
+    found = {int(m[1]) for name in state if (m := _SPATIAL.match(name))}
+    if not found:
+        raise KeyError("'spatial_blocks.0'")
+    missing = next((i for i in range(len(found)) if i not in found), None)
+    if missing is not None:
+        raise UserError(f"the weights number spatial_blocks up to {max(found)} but lack spatial_blocks.{missing}; "
+                        "restore them from the original checkpoint")
+    return len(found)
 
 
 def check_exportable(geometry: DiTGeometry) -> None:
@@ -200,8 +220,9 @@ def _rename(name: str, back: bool = False) -> str:
 
 def check_state(state: dict[str, torch.Tensor], geometry: DiTGeometry, pred_sigma: bool = True) -> None:
     """One UserError naming the first missing, unexpected or misshapen STDiT3 tensor."""
-    with torch.device("meta"):
-        expected = to_opensora(STDiT(geometry).state_dict(), geometry)
+    model = build_bounded(lambda: STDiT(geometry), len(state), "the config describes an STDiT3 of far more tensors "
+                          f"than the {len(state)} its weights hold; pass the config.json written with these weights")
+    expected = to_opensora(model.state_dict(), geometry)
     if not pred_sigma:
         weight, bias = expected["final_layer.linear.weight"], expected["final_layer.linear.bias"]
         expected["final_layer.linear.weight"] = weight[: weight.shape[0] // 2]

@@ -101,6 +101,13 @@ class StditSpec(ModelSpec):
     def read_released(self, path, ema: bool = False):
         return opensora_state(path, ema=ema)
 
+    # How a run places, masks and rounds (Open-Sora's or videodit's choices), not the network.
+    run_fields = ("pos_base_grid", "position_embedding", "null_caption_mask", "bf16_timesteps")
+    field_options = {"caption_length": "text.max_length"}
+
+    def released_config(self, geometry, experts: bool = False) -> str | None:
+        return "opensora-v1.2-stage3"
+
     def export_released(self, fmt: str, geometry, tensors):
         """Open-Sora's STDiT3 folder: its names and config; only models whose function STDiT3
         computes convert (``position_embedding=opensora``, ``null_caption_mask=prompt``, ...)."""

@@ -28,7 +28,8 @@ from safetensors.torch import save_file
 from videodit.errors import UserError
 from videodit.models.wan.experts import expert_folder, is_experts_folder
 from videodit.models.wan.model import I2V_MASK_CHANNELS, MODEL_TYPES, WanDiT, WanGeometry
-from videodit.models.weight_files import LazyTensors, open_safetensors, read_json
+from videodit.models.weight_files import (MAX_SIZE, MAX_TOKENS, ConfigValues, LazyTensors, build_bounded,
+                                          merged_sources, read_index, read_json, sharded_sources)
 from videodit.user_files import read_user_json
 
 CONFIG_NAME = "config.json"
@@ -110,31 +111,30 @@ def _layout_of(config) -> str | None:
     return None
 
 
-def _require(config: dict, keys, file: Path) -> None:
-    missing = [k for k in keys if k not in config]
-    if missing:
-        raise UserError(f"{file} lacks {', '.join(missing)}; restore the config.json of the Wan download")
+_FIX = "restore the config.json of the Wan download"
 
 
 def geometry_from_wan_config(config: dict, shapes: Mapping[str, tuple], file: Path) -> WanGeometry:
     """Wan's WanModel config; what it leaves out (text_dim, patch_size, ...) from the weights.
-    Wan 2.1's and 2.2's i2v configs read alike: Wan 2.1's has CLIP's ``img_emb`` in its weights."""
+    Wan 2.1's and 2.2's i2v configs read alike: Wan 2.1's has CLIP's ``img_emb`` in its weights.
+    Every value is checked as the schema checks its own (type, finite, range) before use."""
     model_type = config.get("model_type", "t2v")
     if model_type not in MODEL_TYPES:
-        raise UserError(f"{file} is a Wan {model_type!r} model; videodit trains Wan's "
+        raise UserError(f"{file} is a Wan {str(model_type)[:40]!r} model; videodit trains Wan's "
                         f"{', '.join(MODEL_TYPES)} DiTs")
-    _require(config, ("dim", "ffn_dim", "num_heads", "num_layers"), file)
+    c = ConfigValues(config, file, _FIX)
     text = shapes.get("text_embedding.0.weight")
     patch = shapes.get("patch_embedding.weight")
     image = shapes.get("img_emb.proj.0.weight")
-    return WanGeometry(task=model_type, image_dim=image[0] if image else None,
-        dim=config["dim"], ffn_dim=config["ffn_dim"], num_heads=config["num_heads"], num_layers=config["num_layers"],
-        in_channels=config.get("in_dim", 16), out_channels=config.get("out_dim", 16),
-        freq_dim=config.get("freq_dim", 256), text_len=config.get("text_len", 512), eps=config.get("eps", 1e-6),
-        text_dim=config.get("text_dim", text[1] if text else 4096),
-        patch_size=tuple(config.get("patch_size", patch[2:] if patch else (1, 2, 2))),
-        qk_norm=config.get("qk_norm", "blocks.0.self_attn.norm_q.weight" in shapes),
-        cross_attn_norm=config.get("cross_attn_norm", "blocks.0.norm3.weight" in shapes))
+    dim = c.int("dim")
+    return WanGeometry(task=model_type, image_dim=image[0] if image and len(image) == 1 else None,
+        dim=dim, ffn_dim=c.int("ffn_dim"), num_heads=c.int("num_heads", high=dim), num_layers=c.int("num_layers"),
+        in_channels=c.int("in_dim", 16), out_channels=c.int("out_dim", 16), freq_dim=c.int("freq_dim", 256, low=2),
+        text_len=c.int("text_len", 512, high=MAX_TOKENS), eps=c.float("eps", 1e-6, below=1.0),
+        text_dim=c.int("text_dim", text[1] if text and len(text) == 2 else 4096),
+        patch_size=c.ints("patch_size", tuple(patch[2:]) if patch and len(patch) == 5 else (1, 2, 2)),
+        qk_norm=c.bool("qk_norm", "blocks.0.self_attn.norm_q.weight" in shapes),
+        cross_attn_norm=c.bool("cross_attn_norm", "blocks.0.norm3.weight" in shapes))
 
 
 def geometry_from_diffusers_config(config: dict, file: Path) -> WanGeometry:
@@ -143,20 +143,24 @@ def geometry_from_diffusers_config(config: dict, file: Path) -> WanGeometry:
     if config.get("pos_embed_seq_len") is not None:
         raise UserError(f"{file} sets pos_embed_seq_len: Wan 2.1's first-last-frame (FLF2V) model, which videodit "
                         "does not train")
-    _require(config, ("num_attention_heads", "attention_head_dim", "ffn_dim", "num_layers"), file)
-    heads = config["num_attention_heads"]
-    in_channels = config.get("in_channels", 16)
-    out_channels = config.get("out_channels") or in_channels
+    c = ConfigValues(config, file, _FIX)
+    heads = c.int("num_attention_heads")
+    head_dim = c.int("attention_head_dim")
+    in_channels = c.int("in_channels", 16)
+    out_channels = in_channels if config.get("out_channels") is None else c.int("out_channels")
     model_type = ("i2v" if in_channels == 2 * out_channels + I2V_MASK_CHANNELS else
                   "ti2v" if in_channels == out_channels == WAN22_LATENT_CHANNELS else "t2v")
+    if heads * head_dim > MAX_SIZE:
+        raise UserError(f"{file}: num_attention_heads x attention_head_dim = {heads * head_dim} is out of range (at "
+                        f"most {MAX_SIZE}); {_FIX}")
     return WanGeometry(
-        task=model_type, image_dim=config.get("image_dim"),
-        dim=heads * config["attention_head_dim"], ffn_dim=config["ffn_dim"], num_heads=heads,
-        num_layers=config["num_layers"], in_channels=in_channels, out_channels=out_channels,
-        freq_dim=config.get("freq_dim", 256), text_dim=config.get("text_dim", 4096), text_len=DIFFUSERS_TEXT_LEN,
-        patch_size=tuple(config.get("patch_size", (1, 2, 2))),
+        task=model_type, image_dim=c.optional_int("image_dim"),
+        dim=heads * head_dim, ffn_dim=c.int("ffn_dim"), num_heads=heads,
+        num_layers=c.int("num_layers"), in_channels=in_channels, out_channels=out_channels,
+        freq_dim=c.int("freq_dim", 256, low=2), text_dim=c.int("text_dim", 4096), text_len=DIFFUSERS_TEXT_LEN,
+        patch_size=c.ints("patch_size", (1, 2, 2)),
         qk_norm=True,   # diffusers' WanAttention always has norm_q/norm_k, whatever qk_norm says
-        cross_attn_norm=config.get("cross_attn_norm", True), eps=config.get("eps", 1e-6))
+        cross_attn_norm=c.bool("cross_attn_norm", True), eps=c.float("eps", 1e-6, below=1.0))
 
 
 def wan_config(g: WanGeometry) -> dict:
@@ -205,8 +209,8 @@ def _model_folder(path: Path) -> Path:
 
 
 def is_wan_folder(path: str | Path) -> bool:
-    if is_experts_folder(path):   # read_wan_folder says what to pass instead
-        return True
+    if is_experts_folder(path):   # Wan's two experts (a videodit two-expert folder is not a released one)
+        return is_wan_folder(expert_folder(path, "high"))
     folder = _model_folder(Path(path))
     config = folder / CONFIG_NAME
     if not config.exists():
@@ -219,21 +223,19 @@ def is_wan_folder(path: str | Path) -> bool:
 
 def _weight_files(folder: Path) -> list[Path]:
     if (folder / INDEX_NAME).exists():
-        weight_map = read_json(folder / INDEX_NAME).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise UserError(f"{folder / INDEX_NAME} has no weight_map; restore it from the original download")
-        files = []
-        for name in sorted(set(weight_map.values())):
-            if Path(name).name != name or not (folder / name).exists():
-                raise UserError(f"{folder / INDEX_NAME} names the shard {name!r}, which is not in {folder}; "
-                                "download every shard beside the index")
-            files.append(folder / name)
-        return files
+        return [folder / shard for shard in sorted(set(read_index(folder / INDEX_NAME).values()))]
     if (folder / WEIGHTS_NAME).exists():
         return [folder / WEIGHTS_NAME]
     pickled = sorted(p.name for p in folder.glob("*.pth")) + sorted(p.name for p in folder.glob("*.bin"))
     hint = f" (videodit does not unpickle {', '.join(pickled)}: convert to safetensors)" if pickled else ""
     raise UserError(f"{folder} holds no {WEIGHTS_NAME} nor {INDEX_NAME}{hint}; pass a Wan DiT folder")
+
+
+def _weight_sources(folder: Path) -> dict[str, tuple[Path, str]]:
+    """name in the files -> (file, name): the shards exactly as the index names them, or the one file."""
+    if (folder / INDEX_NAME).exists():
+        return sharded_sources(folder / INDEX_NAME)
+    return merged_sources(_weight_files(folder))
 
 
 def read_wan_folder(path: str | Path) -> tuple[WanGeometry, LazyTensors]:
@@ -250,10 +252,7 @@ def read_wan_folder(path: str | Path) -> tuple[WanGeometry, LazyTensors]:
         raise UserError(f"{config_file} is neither Wan's WanModel config nor diffusers' WanTransformer3DModel "
                         "config; pass a Wan 2.1 or 2.2 folder")
     rename = wan_name if layout == "diffusers" else (lambda name: name)
-    sources = {}
-    for file in _weight_files(folder):
-        for key in open_safetensors(file).keys():
-            sources[rename(key)] = (file, key)
+    sources = {rename(key): source for key, source in _weight_sources(folder).items()}
     tensors = LazyTensors(sources)
     if layout == "wan":
         shapes = {name: tensors.shape(name) for name in
@@ -264,11 +263,20 @@ def read_wan_folder(path: str | Path) -> tuple[WanGeometry, LazyTensors]:
         build = lambda: geometry_from_diffusers_config(config, config_file)   # noqa: E731
     try:
         geometry = build()
-    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as exc:   # strings, zero heads, NaN, ...
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as exc:   # what the checks above let through
         raise UserError(f"{config_file} has values that are not sizes ({_short(exc)}); restore the config.json "
                         "of the Wan download") from None
     check_sizes(geometry, tensors, config_file)
+    check_tensors(tensors, expected_state(geometry, len(tensors), config_file), str(path))
     return geometry, tensors
+
+
+def expected_state(geometry: WanGeometry, held: int, config_file: Path | str) -> dict[str, torch.Tensor]:
+    """The state dict (meta tensors) of the WanDiT ``geometry`` describes, built only while it needs no
+    more tensors than the ``held`` ones of its weights."""
+    model = build_bounded(lambda: WanDiT(geometry), held, f"{config_file} describes a Wan DiT of far more tensors than "
+                          f"the {held} its weights hold; config.json does not match the weights: fix or restore it")
+    return model.state_dict()
 
 
 def read_experts_folder(path: str | Path) -> tuple[WanGeometry, LazyTensors]:
@@ -297,18 +305,24 @@ def _short(exc: BaseException, limit: int = 160) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+_BLOCK_INDEX = re.compile(r"blocks\.([0-9]{1,9})\.")
+
+
 def check_sizes(geometry: WanGeometry, tensors: "LazyTensors", config_file: Path) -> None:
     """The config's sizes against the weights' headers, before anything is built: a config.json
     asking for a million layers (or another width) than the weights hold is refused in one line."""
-    blocks = {int(name.split(".")[1]) for name in tensors if name.startswith("blocks.")}
+    blocks = {m[1] for name in tensors if (m := _BLOCK_INDEX.match(name))}   # names only: never a range of them
     found = {"num_layers": len(blocks)}
-    if "patch_embedding.weight" in tensors:
-        shape = tensors.shape("patch_embedding.weight")
-        found.update(dim=shape[0], in_channels=shape[1])
-    if "blocks.0.ffn.0.weight" in tensors:
-        found["ffn_dim"] = tensors.shape("blocks.0.ffn.0.weight")[0]
-    if "text_embedding.0.weight" in tensors:
-        found["text_dim"] = tensors.shape("text_embedding.0.weight")[1]
+    shape = lambda name, rank: tensors.shape(name) if name in tensors and len(tensors.shape(name)) == rank \
+        else None   # noqa: E731
+    if (patch := shape("patch_embedding.weight", 5)) is not None:
+        found.update(dim=patch[0], in_channels=patch[1], patch_size=tuple(patch[2:]))
+    if (ffn := shape("blocks.0.ffn.0.weight", 2)) is not None:
+        found["ffn_dim"] = ffn[0]
+    if (text := shape("text_embedding.0.weight", 2)) is not None:
+        found["text_dim"] = text[1]
+    if (time := shape("time_embedding.0.weight", 2)) is not None:
+        found["freq_dim"] = time[1]
     for key, value in found.items():
         if getattr(geometry, key) != value:
             raise UserError(f"{config_file} gives {key}={_short(repr(getattr(geometry, key)), 40)} but the weights "

@@ -153,6 +153,21 @@ class WanSpec(ModelSpec):
     def released_files(self, path):
         return layouts.weight_files(path)
 
+    run_fields = ("text_len",)   # the caption tokens: text.max_length of the run
+    field_options = {"dim": "model.hidden_size", "num_layers": "model.depth"}
+
+    def released_config(self, geometry, experts: bool = False) -> str | None:
+        """The recipe of the release these weights are: its VAE, umT5, CLIP and sampling."""
+        if geometry is None:
+            return "wan2.1-t2v-1.3b-finetune"
+        if experts:
+            return "wan2.2-t2v-a14b-lora" if geometry.task == "t2v" else None
+        if geometry.task == "ti2v":
+            return "wan2.2-ti2v-5b-finetune"
+        if geometry.task == "i2v":
+            return "wan2.1-i2v-14b-lora" if geometry.image_dim else None
+        return "wan2.1-t2v-14b-lora" if geometry.dim >= 5120 else "wan2.1-t2v-1.3b-finetune"
+
     def expert_source(self, path, expert):
         return expert_folder(path, expert) if is_experts_folder(path) else None
 
