@@ -7,7 +7,7 @@ import functools
 import math
 import re
 import sys
-from typing import Callable
+from typing import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +18,7 @@ from videodit.components import first_frame_features, first_frame_given
 from videodit.data.prompts import prepare_prompts
 from videodit.data.video_write import write_video
 from videodit.diffusion import flow_unipc, opensora2_sampler
+from videodit.diffusion.objectives import family_sampler
 from videodit.diffusion.opensora2_sampler import ThreeWayGuidance
 from videodit.diffusion.visual_condition import FrameRule, ReferenceCondition, reference_condition
 from videodit.diffusion.rectified_flow import RectifiedFlow
@@ -29,6 +30,19 @@ from videodit.models.spec import Conditions
 Guidance = float | Callable[[torch.Tensor], float]   # a CFG scale, or one by time (two experts)
 
 
+# Bounds of what one call samples (the CLI's options and Pipeline's arguments): far beyond any
+# released model's (Wan: 81 frames, 50 steps, guidance 5; Open-Sora 2.0: 129 frames, guidance 7.5),
+# so that a typo (30000000 steps, --cfg 1e308) is refused instead of running for days or overflowing.
+MAX_FRAMES = 1024
+MAX_SIDE = 8192
+MAX_STEPS = 1000
+MAX_GUIDANCE = 100.0
+
+
+class NonFiniteLatents(UserError):
+    """The sampler's latents (or the model's output) became NaN or infinite: no clip is made of them."""
+
+
 @torch.no_grad()
 def generate(model, vae, text, flow: RectifiedFlow, prompts: list[str], *, num_frames: int,
              height: int, width: int, steps: int, guidance: Guidance, fps: float, seed: int,
@@ -36,16 +50,37 @@ def generate(model, vae, text, flow: RectifiedFlow, prompts: list[str], *, num_f
              sampler: str = "euler", negative_prompt: str | None = None, image_encoder=None,
              three_way: ThreeWayGuidance | None = None, ref_mode: str = "i2v_head",
              reference_end: torch.Tensor | None = None) -> np.ndarray:
-    """Sample one clip per prompt: uint8 [N, T, H, W, 3]. ``reference``: pixel frames
+    """Sample one clip per prompt: uint8 [N, T, H, W, 3] (:func:`generate_batches`, all at once)."""
+    return np.concatenate([clips for _, clips in generate_batches(
+        model, vae, text, flow, prompts, num_frames=num_frames, height=height, width=width, steps=steps,
+        guidance=guidance, fps=fps, seed=seed, device=device, batch_size=batch_size, reference=reference,
+        sampler=sampler, negative_prompt=negative_prompt, image_encoder=image_encoder, three_way=three_way,
+        ref_mode=ref_mode, reference_end=reference_end)])
+
+
+@torch.no_grad()
+def generate_batches(model, vae, text, flow: RectifiedFlow, prompts: list[str], *, num_frames: int,
+                     height: int, width: int, steps: int, guidance: Guidance, fps: float, seed: int,
+                     device: torch.device, batch_size: int = 16, reference: torch.Tensor | None = None,
+                     sampler: str = "euler", negative_prompt: str | None = None, image_encoder=None,
+                     three_way: ThreeWayGuidance | None = None, ref_mode: str = "i2v_head",
+                     reference_end: torch.Tensor | None = None, indices: Sequence[int] | None = None,
+                     prepare: Callable[[list[str]], list[str]] | None = None):
+    """Sample one clip per prompt, a batch at a time: yields (prompt indices, uint8 [n, T, H, W, 3])
+    as each batch is made, so a caller writes clips while the next ones are sampled. ``indices``:
+    the prompts to sample (default: all), e.g. those whose clips a resumed run has not written;
+    ``prepare``: turns a batch's prompts into what the text encoder reads (``prepare_prompts``).
+    ``reference``: pixel frames
     [3, T_ref, height, width] in [-1, 1] that open every clip (image-to-video, continuation).
     ``sampler``: euler or unipc (Wan's); ``negative_prompt``: CFG's unconditional branch for
     families that sample with one (Wan); ``image_encoder``: the reference frame's image features for a
     model that embeds them (Wan 2.1 I2V's CLIP), in both CFG branches as Wan does. Prompt k's noise depends only on (``seed``, k)
-    (:func:`prompt_noise`), not on the other prompts or the batch size. A model given frames as
+    (:func:`prompt_noise`), not on the other prompts, the batch size or which prompts are sampled. A model given frames as
     input channels (``takes_condition``: Open-Sora 2.0's) samples with ``three_way`` guidance (its
-    text scale ``guidance``), ``reference`` (and ``reference_end``) giving frames as ``ref_mode`` says."""
+    text scale ``guidance``), ``reference`` (and ``reference_end``) giving frames as ``ref_mode`` says.
+    Latents or decoded frames that are NaN or infinite stop it with :class:`NonFiniteLatents`,
+    before that batch yields anything."""
     model.eval()
-    clips = []
     t_lat, h_lat, w_lat = vae.latent_size(num_frames, height, width)
     spec = spec_of(model)
     ratio = flow.shift_ratio(height, width, t_lat, (h_lat, w_lat), spec.patch_size(model.geometry)[1])
@@ -65,23 +100,55 @@ def generate(model, vae, text, flow: RectifiedFlow, prompts: list[str], *, num_f
         channels, image, reference = first_frame_given(model, vae, clip), first_frame_features(image_encoder, clip), None
     given = None if reference is None else given_latents(model, vae, reference, t_lat, device)
     negative = negative_condition(text, negative_prompt)
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
+    order = list(range(len(prompts)) if indices is None else indices)
+    for start in range(0, len(order), batch_size):
+        chunk_indices = order[start : start + batch_size]
+        chunk = [prompts[k] for k in chunk_indices]
+        if prepare is not None:
+            chunk = prepare(chunk)
         n = len(chunk)
         y, y_mask = text.encode(chunk)
         pooled = text.encode_pooled(chunk)
         fps_t = torch.full((n,), float(fps), device=device)
-        noise = torch.stack([prompt_noise((vae.latent_channels, t_lat, h_lat, w_lat), seed, start + i)
-                             for i in range(n)]).to(device)
-        latents = denoise(model, flow, noise, y, y_mask, steps=steps, guidance=guidance, ratio=ratio, fps=fps_t,
-                          height=height, width=width, given=given, sampler=sampler, negative=negative,
-                          channels=None if channels is None else channels.expand(n, *channels.shape[1:]),
-                          image=None if image is None else image.expand(n, *image.shape[1:]), pooled=pooled,
-                          three_way=three_way, condition=condition)
-        video = vae.decode(latents, num_frames)                      # [N, 3, T, H, W] in [-1, 1]
+        noise = torch.stack([prompt_noise((vae.latent_channels, t_lat, h_lat, w_lat), seed, k)
+                             for k in chunk_indices]).to(device)
+        try:
+            latents = denoise(model, flow, noise, y, y_mask, steps=steps, guidance=guidance, ratio=ratio, fps=fps_t,
+                              height=height, width=width, given=given, sampler=sampler, negative=negative,
+                              channels=None if channels is None else channels.expand(n, *channels.shape[1:]),
+                              image=None if image is None else image.expand(n, *image.shape[1:]), pooled=pooled,
+                              three_way=three_way, condition=condition)
+            require_finite(latents, "the sampled latents")
+            video = vae.decode(latents, num_frames)                      # [N, 3, T, H, W] in [-1, 1]
+            require_finite(video, "the decoded frames")
+        except NonFiniteLatents as exc:
+            raise NonFiniteLatents(non_finite_message(exc, chunk_indices, prompts, guidance, steps)) from None
         frames = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-        clips.append(frames.permute(0, 2, 3, 4, 1).cpu().numpy())
-    return np.concatenate(clips)
+        yield chunk_indices, frames.permute(0, 2, 3, 4, 1).cpu().numpy()
+
+
+def require_finite(x: torch.Tensor, what: str, step: int | None = None) -> None:
+    """Raise :class:`NonFiniteLatents` (its args: what, step, the first bad sample of the batch)
+    if ``x`` [N, ...] holds a NaN or an infinity."""
+    finite = torch.isfinite(x.reshape(x.shape[0], -1)).all(1)
+    if not bool(finite.all()):
+        raise NonFiniteLatents(what, step, int((~finite).nonzero()[0, 0]))
+
+
+def non_finite_message(exc: NonFiniteLatents, indices: list[int], prompts: list[str], guidance: Guidance,
+                       steps: int) -> str:
+    """One line: which prompt, where it broke, that nothing was written of it, and what to change."""
+    what, step, sample = exc.args if len(exc.args) == 3 else (str(exc), None, 0)
+    k = indices[sample] if sample < len(indices) else indices[0]
+    prompt = prompts[k] if len(prompts[k]) <= 40 else prompts[k][:37] + "..."
+    at = f" at step {step} of {steps}" if step is not None else ""
+    scale = guidance if isinstance(guidance, (int, float)) else None
+    fix = (f"the guidance scale {scale:g} is far too large: lower --cfg (sample.cfg; 3 to 8 is usual)"
+           if scale is not None and scale > 20 else
+           "the model's weights or config hold NaN or infinite values (a diverged run, or a bad import): sample an "
+           "earlier checkpoint (`videodit ckpt list RUN` lists them) or another model")
+    return (f"sampling prompt {k} ({prompt!r}) gave NaN or infinite values in {what}{at}, so no clip was written "
+            f"for it; {fix}")
 
 
 def negative_condition(text, negative_prompt: str | None) -> tuple[torch.Tensor, ...] | None:
@@ -128,15 +195,37 @@ def denoise(model, flow: RectifiedFlow, noise: torch.Tensor, y: torch.Tensor, y_
         return denoise_three_way(model, flow, noise, cond, uncond, steps=steps, alpha=ratio, guidance=three_way,
                                  condition=condition)
 
+    step = _StepCounter(steps)   # the step a non-finite value shows up at
+
     def velocity(conditions):
         def v(x, t):
+            step.at(t)
+            require_finite(x, "the latents", step.step)   # a guidance scale that overflowed the last step
             out = model(*spec.model_inputs(x, t, conditions))
+            require_finite(out, "the model's output", step.step)
             return flow.model_velocity(out.float(), x, t)
         return v
 
+    own = family_sampler(spec)   # a family's own sampler (LTX-2's: its schedule, CFG + STG, first frame)
+    if own is not None:
+        return own(model, spec, velocity, cond, uncond, noise, steps=steps, guidance=guidance, diffusion=flow.cfg,
+                   given=given)
     solve = flow_unipc.sample if sampler == "unipc" else flow.sample
     return solve(velocity(cond), noise, steps, ratio, guidance, velocity(uncond),
                  given=None if given is None else given.put_back)
+
+
+class _StepCounter:
+    """The sampling step of a velocity call: a new timestep is a new step (guidance evaluates the
+    model more than once at one timestep)."""
+
+    def __init__(self, steps: int):
+        self.steps, self.step, self._t = steps, 0, None
+
+    def at(self, t) -> None:
+        value = float(t.reshape(-1)[0]) if isinstance(t, torch.Tensor) else float(t)
+        if value != self._t:
+            self._t, self.step = value, min(self.step + 1, self.steps)
 
 
 def takes_condition(model) -> bool:
@@ -155,8 +244,15 @@ def denoise_three_way(model, flow: RectifiedFlow, noise: torch.Tensor, cond: Con
     if given is not None:
         branches.append(dataclasses.replace(uncond, given=torch.zeros_like(given)))
 
+    step = _StepCounter(steps)
+
     def velocities(x, t):
-        v = [flow.model_velocity(model(*spec.model_inputs(x, t, c)).float(), x, t) for c in branches]
+        step.at(t)
+        require_finite(x, "the latents", step.step)
+        outputs = [model(*spec.model_inputs(x, t, c)) for c in branches]
+        for out in outputs:
+            require_finite(out, "the model's output", step.step)
+        v = [flow.model_velocity(out.float(), x, t) for out in outputs]
         return v[0], v[1], v[-1]
 
     x = opensora2_sampler.sample(velocities, noise.float(), steps, alpha, guidance)
@@ -230,7 +326,8 @@ def trained_with_frame_masks(cfg, export_info: dict | None = None) -> bool:
     family says was trained with them (``ModelSpec.released_takes_given_frames``)."""
     from videodit.models.families import families
 
-    if cfg.diffusion.mask_ratios is not None or cfg.diffusion.condition_config is not None:
+    if cfg.diffusion.mask_ratios is not None or cfg.diffusion.condition_config is not None or \
+            cfg.diffusion.first_frame_p:   # LTX-2's first-frame training
         return True
     formats = [(export_info or {}).get("format")]
     if cfg.model.init_from:
@@ -279,14 +376,39 @@ def slug(prompt: str, max_len: int = 48) -> str:
     return re.sub(r"[^a-z0-9]+", "_", prompt.lower()).strip("_")[:max_len] or "prompt"
 
 
+def clip_name(index: int, count: int, prompt: str, suffix: str = ".mp4") -> str:
+    """``07-a_red_circle.mp4``: prompt ``index`` of ``count``, numbered wide enough that the
+    files sort in prompt order (two digits at least)."""
+    return f"{index:0{max(2, len(str(count - 1)))}d}-{slug(prompt)}{suffix}"
+
+
 def write_clips(out_dir: Path, prompts: list[str], clips: np.ndarray, fps: float, suffix: str = ".mp4") -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, (prompt, clip) in enumerate(zip(prompts, clips)):
-        path = out_dir / f"{i:02d}-{slug(prompt)}{suffix}"
+        path = out_dir / clip_name(i, len(prompts), prompt, suffix)
         write_video(path, clip, fps)
         paths.append(path)
     return paths
+
+
+def check_sampling(size: dict[str, int], steps: int, guidance: float, image_guidance: float | None = None) -> None:
+    """One line for numbers a sampling call cannot use: sizes of 1 to MAX_FRAMES frames and MAX_SIDE
+    pixels, 1 to MAX_STEPS steps, guidance scales finite in [0, MAX_GUIDANCE]."""
+    problems = []
+    if not 1 <= size["num_frames"] <= MAX_FRAMES:
+        problems.append(f"{size['num_frames']} frames (1 to {MAX_FRAMES})")
+    for side in ("height", "width"):
+        if not 1 <= size[side] <= MAX_SIDE:
+            problems.append(f"{side} {size[side]} (1 to {MAX_SIDE} pixels)")
+    if not 1 <= steps <= MAX_STEPS:
+        problems.append(f"{steps} steps (1 to {MAX_STEPS})")
+    for name, scale in (("guidance", guidance), ("image guidance", image_guidance)):
+        if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
+                                      and 0 <= scale <= MAX_GUIDANCE):
+            problems.append(f"{name} {scale} (a finite scale from 0 to {MAX_GUIDANCE:g}; 1 = none)")
+    if problems:
+        raise UserError(f"cannot sample with {', '.join(problems)}; give values in those ranges")
 
 
 class Pipeline:
@@ -359,28 +481,34 @@ class Pipeline:
         return {"num_frames": pick(num_frames, sample.num_frames, data.num_frames),
                 "height": pick(height, sample.height, data.height), "width": pick(width, sample.width, data.width)}
 
-    def __call__(self, prompts: list[str], *, num_frames: int | None = None, height: int | None = None,
-                 width: int | None = None, steps: int | None = None, guidance: float | None = None,
-                 fps: float | None = None, seed: int = 0, reference: str | None = None,
-                 reference_frames: int | None = None, ref_mode: str | None = None, reference_end: str | None = None,
-                 image_guidance: float | None = None) -> np.ndarray:
-        """Clips for ``prompts``; ``reference``: an image or video file whose first
+    def __call__(self, prompts: list[str], **options) -> np.ndarray:
+        """Clips for ``prompts``: uint8 [N, T, H, W, 3] (:meth:`batches`, all at once)."""
+        return np.concatenate([clips for _, clips in self.batches(prompts, **options)])
+
+    def batches(self, prompts: list[str], *, num_frames: int | None = None, height: int | None = None,
+                width: int | None = None, steps: int | None = None, guidance: float | None = None,
+                fps: float | None = None, seed: int = 0, reference: str | None = None,
+                reference_frames: int | None = None, ref_mode: str | None = None, reference_end: str | None = None,
+                image_guidance: float | None = None, indices: Sequence[int] | None = None, batch_size: int = 16):
+        """Clips for ``prompts`` (those of ``indices``, default all), a batch at a time: yields
+        (prompt indices, uint8 [n, T, H, W, 3]) as each batch is made. ``reference``: an image or video file whose first
         ``reference_frames`` frames (default: an image, the first frame for an image-to-video
         model, or the first half of the clip) open them. A model given frames as input channels
         (Open-Sora 2.0's) takes from it what ``ref_mode`` (default ``sample.ref_mode``) says, the
         i2v_loop's last frame from ``reference_end`` if given, and guides with ``image_guidance``
-        (default ``sample.image_cfg``)."""
+        (default ``sample.image_cfg``). Every number is checked before anything is sampled."""
         sample = self.cfg.sample
         size = self.resolve(num_frames, height, width)
         steps = sample.steps if steps is None else steps
         scale = sample.cfg if guidance is None else guidance
-        if min(size.values()) < 1 or steps < 1 or not (math.isfinite(scale) and scale >= 0):
-            raise UserError(f"cannot sample {size} with {steps} steps and guidance {scale}: sizes and steps "
-                            "must be 1 or more and guidance a finite number >= 0")
+        check_sampling(size, steps, scale, image_guidance)
         if self.expert_guidance is not None and guidance is None:   # two experts: each its own scale
             scale = self.expert_guidance
-        prompts = prepare_prompts(prompts, sample.prompt_style, sample.aesthetic_score, fps=fps or sample.fps,
-                                  motion=sample.motion_score)
+        fps = fps or sample.fps
+
+        def prepare(chunk: list[str]) -> list[str]:   # per batch: 20,000 prompts start at once
+            return prepare_prompts(chunk, sample.prompt_style, sample.aesthetic_score, fps=fps,
+                                   motion=sample.motion_score)
         mode, ref_end, three_way = ref_mode or sample.ref_mode, None, None
         if takes_condition(self.model):
             three_way = ThreeWayGuidance(scale, sample.image_cfg if image_guidance is None else image_guidance,
@@ -398,10 +526,11 @@ class Pipeline:
                   "unset), so it was never taught to continue given frames; the reference is kept as given but "
                   "what follows may not match it (train with diffusion.mask_ratios, e.g. {image_head: 0.1})",
                   file=sys.stderr, flush=True)
-        return generate(self.model, self.vae, self.text, self.flow, prompts, **size, steps=steps,
-                        guidance=scale, fps=fps or sample.fps, seed=seed, device=self.device, reference=ref,
-                        sampler=sample.sampler, negative_prompt=sample.negative_prompt,
-                        image_encoder=self.image_encoder, three_way=three_way, ref_mode=mode, reference_end=ref_end)
+        yield from generate_batches(self.model, self.vae, self.text, self.flow, prompts, **size, steps=steps,
+                                    guidance=scale, fps=fps, seed=seed, device=self.device, reference=ref,
+                                    sampler=sample.sampler, negative_prompt=sample.negative_prompt,
+                                    image_encoder=self.image_encoder, three_way=three_way, ref_mode=mode,
+                                    reference_end=ref_end, indices=indices, prepare=prepare, batch_size=batch_size)
 
     def _condition_reference(self, path: str, end_path: str | None, mode: str, size: dict):
         """(frames of ``path``, frames of ``end_path`` or None) that ``mode`` takes, as Open-Sora

@@ -230,7 +230,7 @@ def test_xl_stage1_plan_runs_with_opensora_geometry(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--gpu-mem", "80 gigs"], "memory size '80 gigs' is not understood"),
     (["--gpu-mem", "80GiB", "--latent", "4,8"],
-     "--latent '4,8' must be a known VAE (opensora-v1.2, wan2.1, wan2.2, hunyuan, opensora-dc-ae) or three integers"),
+     "--latent '4,8' must be a known VAE (opensora-v1.2, wan2.1, wan2.2, hunyuan, opensora-dc-ae, ltx2) or three integers"),
     (["--gpu-mem", "80GiB", "--caption", "4096"], "--caption '4096' must be two integers"),
     (["--gpu-mem", "80GiB", "--margin", "1.5"], "--margin 1.5 must be in [0, 1)"),
     (["--gpu-mem", "80GiB", "vae.kind=diffusers", "vae.path=/x"], "give the latent geometry with --latent"),

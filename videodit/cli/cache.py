@@ -3,18 +3,49 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from videodit.cli.args import positive_int, split_config_args
+from videodit.errors import UserError
 
 
 def cmd_cache_build(ns) -> int:
     from videodit.cache import build_cache
+    from videodit.checkpoint.tools import managed_folder
     from videodit.config import load_config
 
     config, overrides = split_config_args(ns.args)
     cfg = load_config(config, overrides)
-    build_cache(cfg, ns.out, views=ns.views, shard_size=ns.shard_size, dtype=ns.dtype, batch_size=ns.batch_size)
+    if (managed := managed_folder(ns.out)) is not None:   # a run's checkpoints/, a checkpoint, another cache
+        raise UserError(f"{ns.out} is inside {managed}: anything written there may be deleted; build the cache in a "
+                        "folder outside it")
+    done = build_cache(cfg, ns.out, views=ns.views, shard_size=ns.shard_size, dtype=ns.dtype,
+                       batch_size=ns.batch_size)
+    if "samples" in done:   # rank 0, which wrote the index: a cache of nothing is no success
+        _refuse_empty(Path(ns.out), "data.csv")
+        if cfg.validation.csv:
+            from videodit.data.feature_cache.format import VALIDATION
+            _refuse_empty(Path(ns.out) / VALIDATION, "validation.csv")
     return 0
+
+
+def _refuse_empty(folder: Path, option: str) -> None:
+    """One line when a finished cache holds no sample: every video of ``option`` failed to decode."""
+    import pyarrow.parquet as pq
+
+    from videodit.data.feature_cache.format import FAILED, INDEX
+
+    if not (folder / INDEX).is_file() or pq.read_metadata(folder / INDEX).num_rows:
+        return   # unfinished (no index), or samples to train on
+    failed, first = 0, ""
+    if (folder / FAILED).is_file():
+        failed = pq.read_metadata(folder / FAILED).num_rows
+        rows = pq.read_table(folder / FAILED).slice(0, 1).to_pylist()
+        first = f", e.g. {rows[0]['path']}: {rows[0]['reason']}" if rows else ""
+    first = first if len(first) <= 300 else first[:297] + "..."
+    raise UserError(f"the cache {folder} holds 0 samples: all {failed} video(s) of {option} failed to decode"
+                    f"{first}; fix those files (or {option}), then delete {folder} and build again "
+                    f"(`videodit cache info {folder}` lists the reasons)")
 
 
 def cmd_cache_info(ns) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from videodit.cli.args import split_config_args
 from videodit.errors import UserError
 
@@ -56,24 +58,59 @@ def _planner(ns, cfg):
 
 def cmd_plan(ns) -> int:
     from videodit.config import load_config
+    from videodit.planner.advice import advise
     from videodit.planner.plan import bucket_rows, plan_buckets, written_bucket_config
-    from videodit.planner.report import plan_json, plan_summary, plan_table, write_bucket_config
+    from videodit.planner.report import advice_text, plan_json, plan_summary, plan_table, write_bucket_config
 
     config, overrides = split_config_args(ns.args)
     cfg = load_config(config, overrides)
     planner, gpu = _planner(ns, cfg)
     plans = plan_buckets(planner, bucket_rows(cfg), equal_step_time=ns.equal_step_time)
+    advice = advise(planner, plans)   # what fits on these GPUs, then on more
+    commands = functools.partial(_commands, ns, config, overrides, cfg.name)
     if ns.write_bucket_config:
         write_bucket_config(ns.write_bucket_config, written_bucket_config(cfg, plans),
                             f"videodit plan: {plan_summary(planner, gpu)}")
     if ns.json:
-        print(plan_json(planner, plans, gpu))
+        print(plan_json(planner, plans, gpu, advice, commands))
     else:
         print(plan_summary(planner, gpu))
         print(plan_table(planner, plans))
+        if advice is not None:
+            print(advice_text(planner, advice, commands))
         if ns.write_bucket_config:
             print(f"bucket_config written to {ns.write_bucket_config} (data.bucket_config_file)")
     return 0
+
+
+def _commands(ns, config: str | None, overrides: list[str], name: str, fix) -> list[str]:
+    """The command lines of ``fix`` (``planner/advice.py``), to paste: ``videodit plan`` with it
+    (the table it gives), then ``videodit train`` (under torchrun on more than one GPU). The
+    user's overrides stay, but for the keys the fix sets."""
+    import shlex
+
+    keys = {setting.split("=", 1)[0] for setting in fix.settings}
+    given = [o for o in overrides if o.split("=", 1)[0].strip() not in keys]
+    head = [config] if config else []
+    plan = ["videodit", "plan", *head, *given, *fix.settings, "--gpu-mem", ns.gpu_mem]
+    if fix.world != 1 or ns.world_size:
+        plan += ["--world-size", str(fix.world)]
+    for flag, value in (("--latent", ns.latent), ("--caption", ns.caption), ("--encoder-mem", ns.encoder_mem)):
+        if value and not (flag == "--encoder-mem" and ns.encoders_cached):
+            plan += [flag, value]
+    if ns.encoders_cached:
+        plan.append("--encoders-cached")
+    if ns.margin != 0.1:
+        plan += ["--margin", str(ns.margin)]
+    if fix.world == 1:
+        launch = ["videodit", "train"]
+    elif fix.world <= 8 or fix.world % 8:
+        launch = ["torchrun", "--nproc-per-node", str(fix.world), "-m", "videodit", "train"]
+    else:   # on each of the nodes, 8 GPUs each
+        launch = ["torchrun", "--nnodes", str(fix.world // 8), "--nproc-per-node", "8", "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", "HOST:29500", "-m", "videodit", "train"]
+    train = [*launch, *head, *(["--out", f"runs/{name}"] if fix.world > 1 else []), *given, *fix.settings]
+    return [f"check: {shlex.join(plan)}", f"train: {shlex.join(train)}"]
 
 
 def cmd_tune(ns) -> int:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+import math
+import signal
+import sys
 import time
 from pathlib import Path
 
-from videodit.cli.args import first_line, guidance, out_of_memory, positive_int, split_config_args
+from videodit.cli.args import first_line, out_of_memory, split_config_args
 from videodit.errors import UserError, os_error_message
 from videodit.user_files import read_user_text
 
@@ -47,35 +51,107 @@ def cmd_train(ns) -> int:
 
 
 def cmd_sample(ns) -> int:
-    from videodit.sample import Pipeline, write_clips
     from videodit.data.video_write import write_video
+    from videodit.sample import Pipeline
 
     prompts = _read_prompts(ns)
     out = Path(ns.out)
+    one_file = len(prompts) == 1 and out.suffix in (".mp4", ".gif")
+    if not one_file and out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; give a folder for {len(prompts)} prompt(s) (or a .mp4/.gif file "
+                        "for one prompt)")
     pipeline = Pipeline(ns.ckpt, device=ns.device, low_noise=ns.low_noise_ckpt)
     size = pipeline.resolve(num_frames=ns.num_frames, height=ns.height, width=ns.width)
     if not ns.gif and out.suffix != ".gif" and (size["height"] % 2 or size["width"] % 2):
         raise UserError(f"mp4 needs an even height and width, got {size['height']}x{size['width']}; pass even "
                         "--height/--width, or --gif")
+    options = dict(**size, steps=ns.steps, guidance=ns.cfg, seed=ns.seed, reference=ns.ref,
+                   reference_frames=ns.ref_frames, ref_mode=ns.ref_mode, reference_end=ns.ref_end,
+                   image_guidance=ns.image_cfg)
+    fps = pipeline.cfg.sample.fps
     try:
-        clips = pipeline(prompts, **size, steps=ns.steps, guidance=ns.cfg, seed=ns.seed, reference=ns.ref,
-                         reference_frames=ns.ref_frames, ref_mode=ns.ref_mode, reference_end=ns.ref_end,
-                         image_guidance=ns.image_cfg)
+        if one_file:
+            for _, clips in pipeline.batches(prompts, **options):
+                write_video(out, clips[0], fps)
+                print(out, flush=True)
+            return 0
+        _sample_into_folder(pipeline, prompts, out, options, fps, ".gif" if ns.gif else ".mp4", ns.low_noise_ckpt)
     except (MemoryError, RuntimeError) as exc:   # CUDA's OutOfMemoryError is a RuntimeError
         if not out_of_memory(exc):
             raise
-        raise UserError(f"sampling {len(prompts)} clip(s) of {size['num_frames']} frames at {size['height']}x"
+        raise UserError(f"sampling clip(s) of {size['num_frames']} frames at {size['height']}x"
                         f"{size['width']} needs more memory than {pipeline.device} has ({first_line(exc)}); lower "
                         "--num-frames, --height or --width") from None
-    fps = pipeline.cfg.sample.fps
-    if len(prompts) == 1 and out.suffix in (".mp4", ".gif"):
-        write_video(out, clips[0], fps)
-        paths = [out]
-    else:
-        paths = write_clips(out, prompts, clips, fps, ".gif" if ns.gif else ".mp4")
-    for path in paths:
-        print(path)
     return 0
+
+
+SAMPLE_RECORD = ".videodit-sample.json"   # in a --out folder: the settings its clips were sampled with
+
+
+def _sample_into_folder(pipeline, prompts: list[str], out: Path, options: dict, fps: float, suffix: str,
+                        low_noise: str | None) -> None:
+    """Each clip written as soon as it is made (``NN-prompt.mp4``), with a progress bar; clips
+    already in ``out`` (a run that was stopped, sampled with the same settings) are kept, not made
+    again. Prompt k's noise depends on (seed, k) alone, so a resumed folder equals one run."""
+    import json
+
+    from tqdm import tqdm
+
+    from videodit.data.video_write import write_video
+    from videodit.sample import clip_name
+    from videodit.train.run_folder import replace_file
+
+    names = [clip_name(k, len(prompts), prompt, suffix) for k, prompt in enumerate(prompts)]
+    settings = {"checkpoint": str(Path(pipeline.checkpoint).resolve()), "weights": pipeline.weights,
+                "low_noise": _resolved(low_noise),
+                **{key: value for key, value in options.items() if key not in ("reference", "reference_end")},
+                "reference": _resolved(options["reference"]), "reference_end": _resolved(options["reference_end"]),
+                "format": suffix}
+    record = out / SAMPLE_RECORD
+    if record.exists():
+        try:
+            before = json.loads(read_user_text(record, max_bytes=1 << 20))
+        except (OSError, ValueError):
+            before = None
+        if not isinstance(before, dict):
+            raise UserError(f"{record} is damaged; delete it (clips in {out} are then kept as they are) or pick "
+                            "another --out")
+        changed = [key for key in sorted(set(before) | set(settings)) if before.get(key) != settings.get(key)]
+        if changed:
+            key = changed[0]
+            raise UserError(f"--out {out} holds clips sampled with other settings ({key}: {before.get(key)!r} "
+                            f"there, {settings.get(key)!r} now); pick another --out, or delete {out} to sample again")
+    todo = [k for k, name in enumerate(names) if not (out / name).is_file()]
+    if len(todo) < len(prompts):
+        print(f"{out}: {len(prompts) - len(todo)} of {len(prompts)} clips are there already (kept); sampling the "
+              f"other {len(todo)}", file=sys.stderr, flush=True)
+    if not todo:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    replace_file(record, json.dumps(settings, indent=1))
+    bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="sample", unit="clip", dynamic_ncols=True,
+               disable=None, file=sys.stderr)
+    before = signal.signal(signal.SIGTERM, _stop_on_sigterm)   # a stop removes the clip being written
+    try:
+        for indices, clips in pipeline.batches(prompts, **options, indices=todo):
+            for k, clip in zip(indices, clips):
+                write_video(out / names[k], clip, fps)   # whole or not at all: a stop leaves no half clip
+                bar.write(str(out / names[k]), file=sys.stdout)
+                bar.update(1)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        bar.close()
+
+
+def _stop_on_sigterm(signum, frame) -> None:
+    """SIGTERM as Ctrl-C: unwinds (a half-written clip's temporary file is removed), exit 143."""
+    stop = KeyboardInterrupt()
+    stop.exit_status = 128 + signum
+    raise stop
+
+
+def _resolved(path: str | None) -> str | None:
+    return None if path is None else str(Path(path).resolve())
 
 
 def _read_prompts(ns) -> list[str]:
@@ -96,6 +172,34 @@ def _read_prompts(ns) -> list[str]:
     return prompts
 
 
+def _bounded(kind: str, limit: str, low: float = 1):
+    """An argparse type: a whole number (``kind="int"``) or a finite number from ``low`` to
+    ``videodit.sample.<limit>``, the bounds ``Pipeline.batches`` checks too."""
+    def parse(text: str):
+        import videodit.sample as sample
+        high = getattr(sample, limit)
+        try:
+            value = int(text) if kind == "int" else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole number' if kind == 'int' else 'number'}") \
+                from None
+        if not (math.isfinite(value) and low <= value <= high):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give {low:g} to {high:g}")
+        return value
+    return parse
+
+
+def _seed(text: str) -> int:
+    """A 64-bit seed: larger ones would give the noise of another seed (it is taken modulo 2^64)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not -(2**63) <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"{text} is out of range: give a 64-bit seed, 0 to 2^64 - 1")
+    return value
+
+
 def register(sub) -> None:
     p = sub.add_parser("train", help="train a model", description="Train. CONFIG is a YAML file or a preset "
                        "name (default: tiny, on the toy dataset); key.sub=value overrides follow it. "
@@ -112,15 +216,19 @@ def register(sub) -> None:
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", help="one prompt")
     group.add_argument("--prompts", help="file with one prompt a line")
-    p.add_argument("--num-frames", type=positive_int, help="frames (default: the training config's)")
-    p.add_argument("--height", type=positive_int, help="height in pixels (default: the training config's)")
-    p.add_argument("--width", type=positive_int, help="width in pixels (default: the training config's)")
-    p.add_argument("--steps", type=positive_int, help="Euler steps (default: sample.steps)")
-    p.add_argument("--cfg", type=guidance, help="classifier-free guidance scale, >= 0 (default: sample.cfg)")
-    p.add_argument("--seed", type=int, default=0, help="noise seed")
+    p.add_argument("--num-frames", type=_bounded("int", "MAX_FRAMES"),
+                   help="frames, 1 to 1024 (default: the training config's)")
+    p.add_argument("--height", type=_bounded("int", "MAX_SIDE"),
+                   help="height in pixels, 1 to 8192 (default: the training config's)")
+    p.add_argument("--width", type=_bounded("int", "MAX_SIDE"),
+                   help="width in pixels, 1 to 8192 (default: the training config's)")
+    p.add_argument("--steps", type=_bounded("int", "MAX_STEPS"), help="sampling steps, 1 to 1000 (default: sample.steps)")
+    p.add_argument("--cfg", type=_bounded("float", "MAX_GUIDANCE", 0),
+                   help="classifier-free guidance scale, 0 to 100, 1 = none (default: sample.cfg)")
+    p.add_argument("--seed", type=_seed, default=0, help="noise seed (prompt k starts from the noise of (seed, k))")
     p.add_argument("--ref", metavar="IMAGE_OR_CLIP", help="frames that open every clip: an image (image-to-video) "
                    "or a video (continuation); needs a model trained with diffusion.mask_ratios or Open-Sora 1.2's")
-    p.add_argument("--ref-frames", type=positive_int, help="frames of --ref to use (default: all of an image, the "
+    p.add_argument("--ref-frames", type=_bounded("int", "MAX_FRAMES"), help="frames of --ref to use (default: all of an image, the "
                    "first half of the clip's frames of a video)")
     p.add_argument("--ref-mode", choices=("i2v_head", "i2v_tail", "i2v_loop", "v2v_head", "v2v_tail", "v2v_head_easy",
                                           "v2v_tail_easy"),
@@ -129,9 +237,11 @@ def register(sub) -> None:
                         "33 with a causal VAE (v2v_head / v2v_tail), 64 / 65 (the _easy modes)")
     p.add_argument("--ref-end", metavar="IMAGE_OR_CLIP", help="--ref-mode i2v_loop: the file whose last frame ends "
                    "the clip (default: --ref's last frame)")
-    p.add_argument("--image-cfg", type=guidance, help="Open-Sora 2.0 models: the image scale of the three-way "
-                   "guidance, >= 0 (default: sample.image_cfg)")
-    p.add_argument("--out", default="samples", help="output folder, or a .mp4/.gif file for one prompt")
+    p.add_argument("--image-cfg", type=_bounded("float", "MAX_GUIDANCE", 0), help="Open-Sora 2.0 models: the image "
+                   "scale of the three-way guidance, 0 to 100 (default: sample.image_cfg)")
+    p.add_argument("--out", default="samples", help="output folder, or a .mp4/.gif file for one prompt. A folder "
+                   "gets each clip as it is made (NN-prompt.mp4) and resumes: clips already there, sampled with the "
+                   "same settings, are kept")
     p.add_argument("--gif", action="store_true", help="write gif instead of mp4")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.set_defaults(func=cmd_sample)

@@ -195,6 +195,33 @@ class ParallelDims:
         return meshes
 
 
+def check_layout(cfg, world_size: int) -> tuple[ParallelDims, int, int]:
+    """Every check of a config's parallel sizes against ``world_size`` processes and its model,
+    before anything is built: the one check that training (``init_distributed``) and the planner
+    (``videodit plan``) both run, so that a plan is never made for a layout training refuses.
+    Returns (dims, pipeline stages per rank, micro-batches per step)."""
+    from videodit.models.families import get_spec
+
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    m = cfg.model
+    spec = get_spec(m.family)
+    blocks = spec.blocks_of(m)   # the MMDiT: its double and single blocks
+    dims.check_model(num_heads=m.num_heads, hidden_size=m.hidden_size, depth=m.depth, spec=spec,
+                     sp_ring=cfg.parallel.sp_ring, blocks=blocks)
+    per_rank, microbatches = dims.check_pipeline(cfg.parallel, blocks=blocks)
+    dims.check_block_swap(cfg.memory.swap_blocks, blocks=blocks, frozen_base=cfg.lora.rank > 0)
+    if m.image_dim is not None and dims.pp > 1:
+        raise UserError(f"parallel.pp={dims.pp}: the pipeline does not carry Wan 2.1 I2V's image features between "
+                        "stages; split the model with parallel.tp, parallel.sp or parallel.dp_shard (FSDP2) instead")
+    if m.expert == "both" and dims.pp > 1:
+        raise UserError(f"parallel.pp={dims.pp} cannot split a model.expert=both run (two experts, one of them "
+                        "active per step); shard it with parallel.dp_shard (FSDP2), or train one expert per run "
+                        "with model.expert=high|low")
+    if cfg.train.compile:
+        dims.check_compile()
+    return dims, per_rank, microbatches
+
+
 def _product(sizes: dict[str, int]) -> str:
     """``dp_replicate=2 x sp=3``: the sizes above 1 in mesh order."""
     shown = [f"{name}={sizes[name]}" for name in MESH_DIMS if sizes.get(name, 1) > 1]

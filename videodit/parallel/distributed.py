@@ -16,8 +16,7 @@ import torch.distributed as dist
 
 from videodit.config import Config
 from videodit.errors import UserError
-from videodit.models.families import get_spec
-from videodit.parallel.dims import ParallelDims
+from videodit.parallel.dims import ParallelDims, check_layout
 from videodit.parallel.float8 import check_float8
 
 
@@ -149,21 +148,7 @@ def init_distributed(cfg: Config) -> DistContext:
     Everything that can be wrong with the sizes is reported here, before any model exists.
     """
     world = launched_world_size()
-    dims = ParallelDims.from_config(cfg.parallel, world)
-    m = cfg.model
-    spec = get_spec(m.family)
-    blocks = spec.blocks_of(m)   # the MMDiT: its double and single blocks
-    dims.check_model(num_heads=m.num_heads, hidden_size=m.hidden_size, depth=m.depth, spec=spec,
-                     sp_ring=cfg.parallel.sp_ring, blocks=blocks)
-    per_rank, microbatches = dims.check_pipeline(cfg.parallel, blocks=blocks)
-    dims.check_block_swap(cfg.memory.swap_blocks, blocks=blocks, frozen_base=cfg.lora.rank > 0)
-    if m.image_dim is not None and dims.pp > 1:
-        raise UserError(f"parallel.pp={dims.pp}: the pipeline does not carry Wan 2.1 I2V's image features between "
-                        "stages; split the model with parallel.tp, parallel.sp or parallel.dp_shard (FSDP2) instead")
-    if m.expert == "both" and dims.pp > 1:
-        raise UserError(f"parallel.pp={dims.pp} cannot split a model.expert=both run (two experts, one of them "
-                        "active per step); shard it with parallel.dp_shard (FSDP2), or train one expert per run "
-                        "with model.expert=high|low")
+    dims, per_rank, microbatches = check_layout(cfg, world)   # the checks `videodit plan` runs too
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(cfg.train.device, local_rank)
     if cfg.train.fp8:

@@ -200,7 +200,7 @@ def block_activation_bytes(geometry, tokens: int, batch: int, caption_length: in
     dims = spec.activation_dims(geometry)
     profile = spec.activation_profile(geometry) if kind is None else spec.kind_activation_profile(geometry, kind)
     if mode == "full":
-        return block_input_bytes(geometry, tokens, batch * caption_length, profile)
+        return block_input_bytes(geometry, tokens, batch * caption_length, profile, precision)
     total = 0.0
     adapted = None
     if lora is not None:
@@ -220,12 +220,15 @@ def block_activation_bytes(geometry, tokens: int, batch: int, caption_length: in
     return total
 
 
-def block_input_bytes(geometry, tokens: int, caption_tokens: int, profile) -> float:
+def block_input_bytes(geometry, tokens: int, caption_tokens: int, profile,
+                      precision: Precision = Precision()) -> float:
     """What a fully checkpointed block keeps: its input, the rank's video tokens and, where the
     caption is a stream through the blocks (the MMDiT's text, whole on every SP rank), the
-    caption tokens too, fp32 D-wide."""
+    caption tokens too, D-wide: fp32, or the compute dtype where the family's residual stream is
+    (``profile.residual_low``)."""
     hidden = spec_of(geometry).activation_dims(geometry).hidden_size
-    return (tokens + (caption_tokens if profile.caption_stream else 0)) * hidden * FP32
+    width = precision.low_bytes if profile.residual_low else FP32
+    return (tokens + (caption_tokens if profile.caption_stream else 0)) * hidden * width
 
 
 def activation_bytes(geometry, shape: Shape, parallel: Parallel, precision: Precision,
@@ -253,7 +256,7 @@ def activation_bytes(geometry, shape: Shape, parallel: Parallel, precision: Prec
     kept_blocks = sum(kept)
     if lora is not None and modes and modes[0] == "none":   # LoRA: the first block's input needs no gradient
         profile = spec_of(geometry).activation_profile(geometry)
-        kept_blocks -= block_input_bytes(geometry, tokens, shape.batch * shape.caption_length, profile)
+        kept_blocks -= block_input_bytes(geometry, tokens, shape.batch * shape.caption_length, profile, precision)
     offloaded = 0.0
     if memory.offload:
         # Offloaded blocks keep nothing on the GPU once their copies finish; count one in flight.
@@ -278,6 +281,9 @@ def activation_bytes(geometry, shape: Shape, parallel: Parallel, precision: Prec
     counts = {"tokens": all_tokens, "caption": shape.batch * shape.caption_length, "latent": shape.latent_elements}
     outside = saved_bytes(profile.outside, dims, counts, dataclasses.replace(parallel, tp=1),
                           precision, adapted=None if lora is None else set(lora.block_layers)) + gathered
+    if any(mode != "none" for mode in modes):   # the inputs every checkpointed block holds, once
+        outside += saved_bytes(profile.checkpoint_inputs, dims, {"tokens": tokens, "caption": counts["caption"],
+                                                                 "latent": 0}, parallel, precision)
     in_flight = parallel.in_flight if parallel.pp > 1 else 1
     total = int((kept_blocks + outside) * in_flight)
     # Per block: the largest kind's (the recomputed block and backward's gradients are one block's).
@@ -368,13 +374,19 @@ def estimate(geometry, shape: Shape, *, parallel: Parallel = Parallel(),
 # --------------------------------------------------------------------------- from a config
 
 
+def default_world_size(cfg: Config) -> int:
+    """GPUs the config's parallel sizes imply (``parallel.dp_shard=-1`` counts as 1)."""
+    p = cfg.parallel
+    return p.dp_replicate * max(p.dp_shard, 1) * p.sp * p.tp * p.pp
+
+
 def parallel_from_config(cfg: Config, world_size: int | None = None) -> Parallel:
     """The layout the Trainer would build on ``world_size`` GPUs (default: the product of the
     configured sizes), with its sizes checked the same way."""
-    from videodit.parallel.dims import ParallelDims
+    from videodit.parallel.dims import check_layout
     p = cfg.parallel
-    world = world_size or p.dp_replicate * max(p.dp_shard, 1) * p.sp * p.tp * p.pp
-    dims = ParallelDims.from_config(p, world)
+    world = world_size or default_world_size(cfg)
+    dims, _, _ = check_layout(cfg, world)   # training's own checks: a layout it refuses is refused here
     shard = dims.dp_shard * dims.sp if dims.data_parallel in ("fsdp", "hsdp") else 1
     microbatches = p.pp_microbatches or p.pp
     # GPipe runs every forward before any backward; 1F1B keeps at most pp micro-batches alive.

@@ -20,7 +20,7 @@ from videodit.config import Config, MemoryConfig
 from videodit.data.buckets.assign import build_buckets
 from videodit.data.buckets.config import resolve_bucket_config
 from videodit.errors import UserError
-from videodit.planner.levers import IN_FLIGHT, Levers, count_levers, levers_from_config
+from videodit.planner.levers import Levers, count_levers, levers_from_config
 from videodit.planner.estimate import (Estimate, Lora, Parallel, Precision, Shape, count_lora, count_model,
                                       estimate, parallel_from_config, precision_from_config)
 from videodit.models.flops import StepFlops, train_step_flops
@@ -75,8 +75,14 @@ class LatentGeometry:
         return cls(128, 4, 32)
 
     @classmethod
+    def ltx2(cls) -> "LatentGeometry":
+        """LTX-2's causal video VAE: 128 channels, 32x32 pixels, 8x time after the first frame
+        (8k + 1 frames -> k + 1 = ceil(T / 8))."""
+        return cls(128, 8, 32)
+
+    @classmethod
     def parse(cls, text: str) -> "LatentGeometry":
-        """A known VAE (``KNOWN_LATENTS``: opensora-v1.2, wan2.1, wan2.2, hunyuan, opensora-dc-ae)
+        """A known VAE (``KNOWN_LATENTS``: opensora-v1.2, wan2.1, wan2.2, hunyuan, opensora-dc-ae, ltx2)
         or ``C,FT,FS`` (channels, temporal and spatial compression)."""
         if text in KNOWN_LATENTS:
             return KNOWN_LATENTS[text]()
@@ -94,10 +100,20 @@ class LatentGeometry:
 # vae.kind (and --latent) -> the geometry of a VAE the planner knows without loading it.
 KNOWN_LATENTS = {"opensora-v1.2": LatentGeometry.opensora_v12, "wan2.1": LatentGeometry.wan21,
                  "wan2.2": LatentGeometry.wan22, "hunyuan": LatentGeometry.hunyuan,
-                 "opensora-dc-ae": LatentGeometry.opensora_dc_ae}
+                 "opensora-dc-ae": LatentGeometry.opensora_dc_ae, "ltx2": LatentGeometry.ltx2}
 # text.kind -> caption channels of an encoder the planner knows (its length is text.max_length).
+# A family's own text encoders (``ModelSpec.text_kinds``: LTX-2's gemma3-ltx2) give the width of
+# the release the config describes instead (``released_encoders_of``: 4096 for LTX-2.3, 3840 for 2.0).
 KNOWN_CAPTIONS = {"umt5": 4096,      # umT5-XXL's d_model (Wan 2.1)
                   "t5-clip": 4096}   # T5-XXL's (Open-Sora 2.0; CLIP-L's pooled vector is one per sample)
+
+
+@dataclass(frozen=True)
+class BucketShape:
+    """A clip shape to plan: frames and pixel size."""
+    num_frames: int
+    height: int
+    width: int
 
 
 @dataclass
@@ -142,6 +158,8 @@ class Planner:
     lora: Lora | None = None    # LoRA adapters on a frozen base (estimate.count_lora)
     experts: int = 1            # whole models held, one trained per step (model.expert=both: 2)
     levers: Levers = Levers()   # fp8 base, 8-bit moments, block swapping, fp8 compute (planner/levers.py)
+    world_size: int = 1         # GPUs of the job (the layout ``parallel`` is of)
+    config: Any = None          # the Config planned (the advice's settings refer to it), if any
 
     def __post_init__(self):
         with torch.device("meta"):    # structure only: no memory, no initialisation cost
@@ -182,53 +200,11 @@ class Planner:
         return low * step
 
     def cheapest_fix(self, num_frames: int, height: int, width: int) -> str | None:
-        """The first change, cheapest in step time first, under which batch 1 fits."""
-        for label, changes in self._fixes():
-            if self.max_batch(num_frames, height, width, **changes):
-                return label
-        return None
-
-    def _fixes(self):
-        """Changes in order of their step-time cost: checkpointing, then the levers of
-        ``planner/levers.py`` (each with full checkpointing and the cheaper levers before it),
-        sequence parallelism, offload, block swapping, FSDP's CPU offload."""
-        m, p, heads = self.memory, self.parallel, self.geometry.num_heads
-        if m.checkpointing == "none":
-            yield "memory.checkpointing=selective", {"memory": {"checkpointing": "selective"}}
-        # Every block: memory.checkpoint_blocks (first n per kind) gives way to the plain counts.
-        full = {"checkpointing": "full", "checkpoint_every": 1, "checkpoint_fraction": 1.0, "checkpoint_blocks": None}
-        some = m.checkpoint_every > 1 or m.checkpoint_fraction < 1 if m.checkpoint_blocks is None else \
-            len(m.checkpointed_blocks(self.counts.depth_blocks, list(self.counts.kinds))) < self.counts.depth_blocks
-        if m.checkpointing != "full" or some:
-            yield "memory.checkpointing=full (all blocks)", {"memory": full}
-        levers, said = {}, []   # the cheap levers, accumulated
-        if self.lora is None and self.levers.optimizer == "adamw":
-            levers["optimizer"] = "adamw8bit"
-            said.append("train.optimizer=adamw8bit")
-            yield f"{' with '.join(said)} with memory.checkpointing=full", {"memory": full, "levers": dict(levers)}
-        if self.lora is not None and not self.levers.fp8_base and p.tp == 1:
-            levers["fp8_base"] = True
-            said.append("lora.base_dtype=fp8")
-            yield f"{' with '.join(said)} with memory.checkpointing=full", {"memory": full, "levers": dict(levers)}
-        for sp in (2, 4, 8, 16):
-            # On the same GPUs (FSDP shards over dp_shard x sp, a fixed number), or on sp GPUs
-            # where there is one: the default dp_shard=-1 then shards over the SP ranks.
-            same_gpus = p.shard > 1
-            if sp > p.sp and heads % (sp * p.tp) == 0 and (not same_gpus or p.shard % sp == 0):
-                yield (f"parallel.sp={sp} with memory.checkpointing=full",
-                       {"memory": full, "parallel": {"sp": sp, "shard": p.shard if same_gpus else sp}})
-        yield ("memory.offload=true with memory.checkpointing=selective",
-               {"memory": {"checkpointing": "selective", "offload": True}})
-        offload = {**full, "offload": True}   # the checkpointed blocks' inputs on the host too
-        said.append("memory.offload=true")
-        yield f"{' with '.join(said)} with memory.checkpointing=full", {"memory": offload, "levers": dict(levers)}
-        if self.lora is not None and p.shard == 1 and p.tp == 1 and p.pp == 1:   # block swapping's own limits
-            for count in range(max(self.levers.swap_blocks, IN_FLIGHT) + 1, self.counts.depth_blocks + 1):
-                yield (" with ".join([*said, f"memory.swap_blocks={count}", "memory.checkpointing=full"]),
-                       {"memory": offload, "levers": {**levers, "swap_blocks": count}})
-        if p.shard > 1:
-            yield ("parallel.cpu_offload=true with memory.checkpointing=full",
-                   {"memory": full, "parallel": {"cpu_offload": True}})
+        """The first change on this plan's GPUs, cheapest in step time first, under which batch 1
+        fits (``planner/advice.py``); None if none does."""
+        from videodit.planner.advice import cheapest_fix
+        found = cheapest_fix(self, [BucketShape(num_frames, height, width)])
+        return None if found is None else found[0].label
 
     def flops_per_sample(self, num_frames: int, height: int, width: int) -> StepFlops:
         """Model and hardware FLOPs of one sample's training step (fused GPU attention, this
@@ -371,8 +347,8 @@ def planner_from_config(cfg: Config, gpu_bytes: int, *, world_size: int | None =
                         encoder_bytes: int | None = None) -> Planner:
     """A planner for ``cfg`` on GPUs of ``gpu_bytes``. Latent and caption geometry come from
     the config's encoders when they are built in (identity VAE, toy text) or known
-    (vae.kind=opensora-v1.2, wan2.1, wan2.2, hunyuan or opensora-dc-ae, text.kind=umt5 or t5-clip at
-    text.max_length tokens); other local
+    (vae.kind=opensora-v1.2, wan2.1, wan2.2, hunyuan, opensora-dc-ae or ltx2, text.kind=umt5, t5-clip
+    or the family's own, e.g. gemma3-ltx2, at text.max_length tokens); other local
     pretrained ones are described with ``latent``/``caption`` instead of being loaded."""
     if cfg.data.cache:   # features are cached: no encoder on the GPU; geometry from the cache when built
         latent, caption, encoder_bytes = *_cached_geometry(cfg, latent, caption), 0
@@ -382,15 +358,21 @@ def planner_from_config(cfg: Config, gpu_bytes: int, *, world_size: int | None =
                             "the planner does not load the VAE")
         known = KNOWN_LATENTS.get(cfg.vae.kind)
         latent = known() if known else LatentGeometry(3, 1, 1)
+    spec = get_spec(cfg.model.family)
+    if caption is None and cfg.text.kind in spec.text_kinds:   # the family's own: its release's width
+        caption = (spec.released_encoders_of(cfg.model)[1], cfg.text.max_length)
     if caption is None and cfg.text.kind in KNOWN_CAPTIONS:
         caption = (KNOWN_CAPTIONS[cfg.text.kind], cfg.text.max_length)
     if caption is None:
         if cfg.text.kind != "toy":
-            raise UserError("text.kind=transformers: give the caption geometry with --caption CHANNELS,LENGTH "
+            raise UserError(f"text.kind={cfg.text.kind}: give the caption geometry with --caption CHANNELS,LENGTH "
                             "(e.g. 4096,300 for T5-XXL); the planner does not load the encoder")
         caption = (cfg.text.dim, cfg.text.max_length)
     channels, length = caption
-    geometry = get_spec(cfg.model.family).geometry(cfg.model, latent.channels, channels, length)
+    geometry = spec.geometry(cfg.model, latent.channels, channels, length)
+    from videodit.planner.estimate import default_world_size
+
+    world_size = world_size or default_world_size(cfg)
     parallel = parallel_from_config(cfg, world_size)
     p = cfg.parallel
     multiple = (p.pp_microbatches or p.pp) if p.pp > 1 else 1
@@ -398,7 +380,7 @@ def planner_from_config(cfg: Config, gpu_bytes: int, *, world_size: int | None =
                    margin, ema=cfg.train.ema_decay > 0, batch_multiple=multiple,
                    encoder_bytes=frozen_encoder_bytes(cfg) if encoder_bytes is None else encoder_bytes,
                    lora=count_lora(cfg.lora, geometry), experts=2 if cfg.model.expert == "both" else 1,
-                   levers=levers_from_config(cfg))
+                   levers=levers_from_config(cfg), world_size=world_size, config=cfg)
 
 
 def _cached_geometry(cfg: Config, latent: LatentGeometry | None,
@@ -412,7 +394,7 @@ def _cached_geometry(cfg: Config, latent: LatentGeometry | None,
         return latent, caption
     manifest = read_manifest(Path(cfg.data.cache))
     # What the cache holds, not the released size.
-    if latent is None and cfg.vae.kind in ("diffusers", "wan2.1", "wan2.2", "hunyuan", "opensora-dc-ae"):
+    if latent is None and cfg.vae.kind in ("diffusers", "wan2.1", "wan2.2", "hunyuan", "opensora-dc-ae", "ltx2"):
         g = manifest["latent"]
         latent = LatentGeometry(g["channels"], g["temporal_compression"], g["spatial_compression"])
     if caption is None and cfg.text.kind != "toy":

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
 from videodit.models.families import spec_of
 from videodit.errors import UserError
+from videodit.planner.advice import MAX_SUGGESTED_WORLD, Advice, Fix, batch_one_peak, fixes
 from videodit.planner.plan import BucketFit, Planner
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -46,8 +48,9 @@ def plan_table(planner: Planner, plans: list[BucketFit]) -> str:
     for p in plans:
         e = p.estimate
         note = ""
-        if not p.max_batch_size:
-            note = f"does not fit at batch 1; try {p.fix}" if p.fix else "does not fit at batch 1 with any lever"
+        if not p.max_batch_size:   # the fix is for the GPUs given; more GPUs: advice_text, below the table
+            note = f"does not fit at batch 1; try {p.fix}" if p.fix else \
+                f"does not fit at batch 1 on {_gpus(planner.world_size)} with any lever"
         elif p.config_batch_size and p.config_batch_size > p.max_batch_size:
             needed = planner.estimate(p.config_batch_size, p.num_frames, p.height, p.width).peak
             note = f"config batch {p.config_batch_size} would need {gib(needed)} GiB"
@@ -56,6 +59,38 @@ def plan_table(planner: Planner, plans: list[BucketFit]) -> str:
                      f"{gib(e.params):>8}{gib(e.grads):>7}"
                      f"{gib(e.optimizer):>7}{gib(e.ema):>6}{gib(e.activations):>8}{gib(e.temporaries):>7}"
                      f"{gib(e.encoders):>6}{gib(e.peak):>10}  {note}")
+    return "\n".join(lines)
+
+
+def _gpus(n: int) -> str:
+    return f"{n} GPU" + ("s" if n != 1 else "")
+
+
+def advice_text(planner: Planner, advice: Advice, commands: Callable[[Fix], list[str]]) -> str:
+    """What to change so that every bucket takes batch 1: on the GPUs given first, then on more;
+    each with its batch-1 peak and the command lines to paste (``commands(fix)``)."""
+    world = planner.world_size
+    lines = [f"{advice.buckets} bucket(s) do not fit at batch 1 as configured on {_gpus(world)} of "
+             f"{gib(planner.gpu_bytes)} GiB."]
+    if advice.fix is not None:
+        lines.append(f"On {_gpus(world)} (as given): {' '.join(advice.fix.settings)} fits, batch-1 peak "
+                     f"{gib(advice.fix_peak)} GiB of the {gib(planner.budget)} GiB budget:")
+        lines += [f"  {line}" for line in commands(advice.fix)]
+    else:
+        least = min((batch_one_peak(planner, advice.stuck, fix) for fix in fixes(planner) if fix.world == world),
+                    default=None)
+        lines.append(f"On {_gpus(world)} (as given) nothing fits at batch 1, whatever lever"
+                     + (f" (the least any leaves is {gib(least)} GiB of the {gib(planner.budget)} GiB budget)"
+                        if least is not None else "") + ".")
+    if advice.more is not None:
+        lines.append(f"With {_gpus(advice.more.world)}: {' '.join(advice.more.settings) or 'as configured'} fits, "
+                     f"batch-1 peak {gib(advice.more_peak)} GiB" + ("" if advice.more.uses_host else
+                                                                    ", without moving weights or activations to "
+                                                                    "the host") + ":")
+        lines += [f"  {line}" for line in commands(advice.more)]
+    elif advice.fix is None:
+        lines.append(f"Nor on up to {MAX_SUGGESTED_WORLD} GPUs: use GPUs with more memory, shorter clips or a "
+                     "lower resolution.")
     return "\n".join(lines)
 
 
@@ -81,7 +116,8 @@ def _lora_summary(planner: Planner) -> str:
         f" | LoRA rank {lora.rank}: {lora.params * planner.experts:,} adapter parameters train, the base is frozen"
 
 
-def plan_json(planner: Planner, plans: list[BucketFit], gpu_bytes: int) -> str:
+def plan_json(planner: Planner, plans: list[BucketFit], gpu_bytes: int, advice: Advice | None = None,
+              commands: Callable[[Fix], list[str]] | None = None) -> str:
     first = plans[0].estimate if plans else None
     model = {"num_params": planner.counts.num_params * planner.experts, "experts": planner.experts,
              "levers": planner.levers.describe(),
@@ -91,8 +127,14 @@ def plan_json(planner: Planner, plans: list[BucketFit], gpu_bytes: int) -> str:
     if first:
         model.update({f"{k}_bytes": v for k, v in first.as_dict().items()
                       if k in ("params", "grads", "optimizer", "ema", "encoders")})
-    return json.dumps({"gpu_bytes": gpu_bytes, "budget_bytes": int(planner.budget), "model": model,
-                       "buckets": [p.as_dict() for p in plans]}, indent=2)
+    advised = None
+    if advice is not None:
+        advised = advice.as_dict()
+        for key, fix in (("same_gpus", advice.fix), ("more_gpus", advice.more)):
+            if fix is not None and commands is not None:
+                advised[key]["commands"] = commands(fix)
+    return json.dumps({"gpu_bytes": gpu_bytes, "budget_bytes": int(planner.budget), "world_size": planner.world_size,
+                       "model": model, "buckets": [p.as_dict() for p in plans], "advice": advised}, indent=2)
 
 
 def write_bucket_config(path: str | Path, bucket_config: dict, header: str) -> None:

@@ -38,13 +38,16 @@ class SampleVideo:
 
 
 def check_loggers(names: list[str]) -> None:
-    """Refuse ``wandb`` when its package is missing, before anything is built."""
+    """Refuse ``wandb`` when its package is missing, or its folder or server cannot be used
+    (``wandb_checks.check_wandb``), before anything is built."""
     if "wandb" in names:
         try:
             import wandb  # noqa: F401
         except ImportError:
             raise UserError("train.loggers lists wandb, but the wandb package is not installed: "
                             "pip install videodit[wandb] (or remove wandb from train.loggers)") from None
+        from videodit.train.wandb_checks import check_wandb
+        check_wandb()
 
 
 def scalars(values: dict) -> dict[str, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import platform
 import random
 import subprocess
@@ -70,9 +71,9 @@ def run_info(num_params: int) -> dict:
     versions = {"python": sys.version.split()[0], "torch": torch.__version__, "videodit": videodit.__version__,
                 "numpy": np.__version__}
     for name in ("av", "safetensors", "diffusers", "transformers"):
-        try:
-            versions[name] = __import__(name).__version__
-        except ImportError:
+        try:   # from the installed package's metadata: importing diffusers and transformers costs seconds
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
             pass
     return {"git_commit": commit, "versions": versions, "platform": platform.platform(),
             "num_params": num_params, "command": sys.argv, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

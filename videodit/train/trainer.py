@@ -40,6 +40,7 @@ from videodit.data.pixels import to_model_input
 from videodit.diffusion.expert_routing import ExpertRouting
 from videodit.diffusion.frame_mask import FrameConditioning
 from videodit.diffusion.visual_condition import visual_conditioning
+from videodit.diffusion.objectives import objective_of
 from videodit.diffusion.rectified_flow import RectifiedFlow
 from videodit.errors import UserError, os_error_message
 from videodit.models.flops import train_step_flops
@@ -52,7 +53,7 @@ from videodit.parallel.fp8_base import base_storage_dtype, check_base_dtype
 from videodit.parallel.lora import apply_lora, lora_summary
 from videodit.parallel.block_swap import place_beside_swapped
 from videodit.parallel.parallelize import parallelize
-from videodit.sample import generate, guidance_of, takes_condition, write_clips
+from videodit.sample import NonFiniteLatents, generate, guidance_of, takes_condition, write_clips
 from videodit.toy.make import ensure_toy_data
 from videodit.train.caption_dropout import EmptyCaptionDropout
 from videodit.train.ema import EMA
@@ -119,6 +120,8 @@ class Trainer:
         self.flow = RectifiedFlow(cfg.diffusion)
         self.routing = self._expert_routing()   # model.expert=both: the expert of each step
         self.spec = get_spec(cfg.model.family)
+        # flow matching (self.flow), or the family's own objective (LTX-2's), its clip sizes checked
+        self.objective = objective_of(self.spec, cfg.diffusion, self.flow, self.vae, self.data.plan.buckets)
         self.conditioning = frame_conditioning(cfg)
         if self.conditioning is not None and self.spec.frame_mask_index() is None:
             raise UserError(f"diffusion.mask_ratios (Open-Sora 1.2's frame masks) is not supported by the "
@@ -152,7 +155,7 @@ class Trainer:
             model = place_beside_swapped(model, cfg.memory.swap_blocks, self.device)
         else:
             model = model.to(self.device)
-        loss_fn = self.flow.loss if self.conditioning is None else self.conditioning.loss(self.flow.loss)
+        loss_fn = self.objective.loss if self.conditioning is None else self.conditioning.loss(self.objective.loss)
         loss_fn = loss_fn if self.visual is None else self.visual.loss(loss_fn)   # no_i2v_ref_loss
         self.parallel = parallelize(model, self.ctx, cfg.parallel, memory=cfg.memory, loss_fn=loss_fn,
                                     autocast_dtype=torch.bfloat16 if use_bf16 else None,
@@ -251,7 +254,7 @@ class Trainer:
             self.checkpoints.wait()
             done = progress.step >= tc.max_steps and not (metrics.error or self.output_error)
             if done and sampled_at != progress.step:
-                self.write_samples(metrics)   # the last clips, logged before the loggers close
+                self._write_outputs(lambda: self.write_samples(metrics))   # the last clips, before the loggers close
         except StoppedWaitingForData as stopped:
             if self.is_main:
                 self.checkpoints.wait()
@@ -276,9 +279,13 @@ class Trainer:
 
     def _write_outputs(self, write) -> None:
         """Run a write that is not a checkpoint (samples); a failure (a full disk) stops the run
-        after the next save instead of losing it."""
+        after the next save instead of losing it. Samples of a model whose output is not finite
+        (weights grown huge under train.on_nonfinite=skip) are not written, and the run goes on:
+        the samples only show the training, the checkpoints are what it makes."""
         try:
             write()
+        except NonFiniteLatents as exc:
+            print(f"warning: no sample videos at step {self.step}: {exc}", file=sys.stderr, flush=True)
         except OSError as exc:
             self.output_error = self.output_error or f"could not write samples: {os_error_message(exc)}"
 
@@ -342,22 +349,17 @@ class Trainer:
         x0, y, y_mask, pooled, size, given, image = self.features(batch)
         n = x0.shape[0]
         generator = torch.Generator().manual_seed(batch.noise_seed)
-        ratio = self.flow.shift_ratio(size[-2], size[-1], x0.shape[2], x0.shape[-2:])
-        t = self.flow.sample_timesteps(n, ratio, generator, self.device, time_range)
-        noise = torch.randn(x0.shape, generator=generator).to(self.device)
+        x_t, t, target, x_mask = self.objective.noised(x0, size, generator, self.device, time_range)
         drop = (torch.rand(n, generator=generator) < self.cfg.diffusion.caption_dropout).to(self.device)
         if pooled is not None:   # dropped here, to the encoding of "": the model sees no drop flags
             y, y_mask, pooled = self.pooled_dropout(y, y_mask, pooled, drop, generator)
             drop = None
-        sigma_min = self.cfg.diffusion.sigma_min
-        x_t = self.flow.interpolate(x0, noise, t, sigma_min)
         height, width = (torch.full((n,), float(side), device=self.device) for side in size[-2:])
-        x_mask = None
         if self.conditioning is not None:
             x_t, x_mask = self.conditioning.apply(x_t, x0, generator)
         cond = Conditions(y, y_mask, drop, batch.fps.to(self.device, non_blocking=True), height, width, x_mask,
                           image=image, given=given, pooled=pooled)
-        return self.spec.model_inputs(x_t, t, cond), self.flow.velocity_target(x0, noise, sigma_min)
+        return self.spec.model_inputs(x_t, t, cond), target
 
     def encoding(self):
         """The context the frozen encoders run in: bf16 autocast where they were cast to bf16."""

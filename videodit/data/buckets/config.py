@@ -28,9 +28,13 @@ from videodit.data.buckets.tables import RESOLUTION_NAMES, RESOLUTION_PIXELS
 from videodit.errors import UserError, os_error_message
 from videodit.user_files import FileTooLarge, NotRegularFile, read_user_text
 
-# A bucket config file is a few KB (Open-Sora's stage configs: ~3 KB); parsing (ast, YAML) takes
-# many times a file's size in memory, so a larger one is refused before it is read.
-MAX_CONFIG_BYTES = 16 << 20
+# A bucket config file is a few KB (Open-Sora's stage configs: ~3 KB, a few dozen entries). The
+# work is bounded, not only the bytes: YAML is parsed at about 100 KB/s in pure Python and every
+# (resolution, num_frames) entry becomes one bucket per aspect ratio (up to ~60), so a file may hold
+# at most MAX_CONFIG_BYTES (read in well under a second) and a config MAX_ENTRIES entries (at most
+# ~100,000 buckets), each refused in one line before the work starts.
+MAX_CONFIG_BYTES = 256 << 10
+MAX_ENTRIES = 2048
 
 _ENTRY_HINT = "write (keep_prob, batch_size), ((p_keep, p_frames), batch_size) or (0.0, None)"
 
@@ -175,6 +179,11 @@ def parse_bucket_config(obj: Any) -> BucketConfig:
         raise UserError("bucket_config must be a non-empty dict {resolution: {num_frames: "
                         f"(keep_prob, batch_size)}}}}, got {short_repr(obj)}; "
                         "e.g. {'144p': {1: (1.0, 64)}}")
+    entries_given = sum(len(f) for f in obj.values() if isinstance(f, Mapping))
+    if entries_given > MAX_ENTRIES:
+        raise UserError(f"bucket_config has {entries_given:,} entries, more than the {MAX_ENTRIES:,} (resolution, "
+                        "num_frames) pairs a bucket config may have (Open-Sora's: a few dozen); give fewer frame "
+                        "counts per resolution")
     by_name: dict[str, list[BucketEntry]] = {}
     for key, frames in obj.items():
         name = _parse_resolution(key)
