@@ -4,8 +4,10 @@ check has passed.
 A folder is a videodit run once it holds ``run_info.json``, ``checkpoints/`` or ``.lock``. A run goes
 only into a new or empty folder or, with ``resume``, into its own run folder; a folder of
 someone else's files is refused rather than written into. ``.lock`` (process id, host, start
-time) keeps a second run out while the first is alive; a lock left by a process that died
-on this host is taken over.
+time, launcher job) keeps a second run out while the first is alive; a lock left by a process
+that died on this host is taken over, and so is one left by an earlier attempt of the same
+launcher job on any host (a requeued Slurm job or a restarted torchrun rendezvous whose rank 0
+now runs on another node).
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ class RunFolder:
         """Take the folder for this process, or refuse if a live run holds it."""
         self._made = not self.path.exists()
         self.path.mkdir(parents=True, exist_ok=True)
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                  "job": launcher_job()}
         for _ in range(2):
             try:
                 fd = os.open(self.lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -76,6 +79,8 @@ class RunFolder:
             return None   # unreadable: a crash while writing it
         if host == socket.gethostname() and not _alive(pid):
             return None
+        if launcher_job() is not None and record.get("job") == launcher_job():
+            return None   # an earlier attempt of this very job: one job has one rank 0 alive at a time
         where = f"process {pid}" + ("" if host == socket.gethostname() else f" on {host}")
         return (f"{self.path} is in use by another run ({where}, started {record.get('started', '?')}); wait "
                 f"for it to finish or pass --out NEW_DIR (remove {self.lock_path} if that run is gone)")
@@ -108,6 +113,13 @@ def replace_file(path: Path, text: str) -> None:
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def launcher_job() -> str | None:
+    """The id of the launcher's job this process belongs to (Slurm's job, else torchrun's
+    rendezvous), the same on every attempt of it; None outside such a job."""
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+    return job if job and job != "none" else None
 
 
 def _alive(pid: int) -> bool:
