@@ -213,8 +213,9 @@ def test_presets_and_config():
     assert SPEC.released_encoders_of(m19) == (128, 3840, 1024)
     assert SPEC.released_encoders_of(ModelConfig(preset="ltx2.3-22b").resolved()) == (128, 4096, 1024)
     assert SPEC.tokens(geometry, 7, 17, 30) == 7 * 17 * 30   # patch 1: a token per latent voxel
-    with pytest.raises(UserError, match="parallel.sp=1"):
-        SPEC.check_sequence_parallel(2, tp=1, sp=2, ring=1)
+    SPEC.check_sequence_parallel(2, tp=1, sp=2, ring=1)   # Ulysses over the video tokens (parallel_plan.py)
+    with pytest.raises(UserError, match="^LTX-2 shards its video tokens over parallel.sp"):
+        SPEC.check_sequence_parallel(2, tp=1, sp=4, ring=1)
 
 
 def test_model_inputs_drop_captions_and_mark_given_frames():

@@ -210,6 +210,15 @@ class DiffusionConfig:
     no_i2v_ref_loss: bool = opt(False, "with condition_config: leave the given first/last latent frame of the "
                                 "i2v modes out of the loss (what Open-Sora 2.0's flag means; its own trainer never "
                                 "hands the masks to the loss, so there it changes nothing)")
+    first_frame_p: float = opt(0.0, "LTX-2 (model.family=ltx2): probability that a training clip's first latent frame "
+                               "is given clean at sigma 0 and left out of the loss, as LTX's image-to-video training "
+                               "does (its i2v recipes: 0.5; 0: text-to-video)", min=0.0, max=1.0)
+    stg_scale: float = opt(1.0, "LTX-2's sampler: spatio-temporal guidance, the prompt's branch with one block's video "
+                           "self-attention skipped (its dev default 1; 0: off, one model call less per step)", min=0.0)
+    stg_block: Optional[int] = opt(None, "LTX-2's sampler: the block STG skips (default: the release's, 29 in LTX-2.0 "
+                                   "and 28 in 2.3, at the same relative depth in a model of fewer blocks)", min=0)
+    guidance_rescale: float = opt(0.7, "LTX-2's sampler: the guided estimate rescaled towards the prompt branch's "
+                                  "standard deviation by this much (its dev default 0.7; 0: off)", min=0.0, max=1.0)
 
 
 @dataclass
@@ -269,10 +278,12 @@ class VAEConfig:
                     "TI2V-5B's VAE: a diffusers vae/ folder or Wan2.2_VAE.pth; 48 channels, 16x space), hunyuan "
                     "(Open-Sora 2.0's HunyuanVideo VAE: hunyuan_vae.safetensors or a diffusers vae/ folder; 16 "
                     "channels, 4x8x8, causal) or opensora-dc-ae (Open-Sora 2.0's Video DC-AE, "
-                    "F32T4C128_AE.safetensors; 128 channels, 4x32x32)",
-                    choices=("identity", "diffusers", "opensora-v1.2", "wan2.1", "wan2.2", "hunyuan", "opensora-dc-ae"))
+                    "F32T4C128_AE.safetensors; 128 channels, 4x32x32) or ltx2 (LTX-2's video VAE: the release file or a "
+                    "diffusers AutoencoderKLLTX2Video folder; 128 channels, 8x32x32, causal, 8k+1 frames)",
+                    choices=("identity", "diffusers", "opensora-v1.2", "wan2.1", "wan2.2", "hunyuan", "opensora-dc-ae",
+                             "ltx2"))
     path: Optional[str] = opt(None, "local autoencoder folder or file (vae.kind=diffusers, opensora-v1.2, "
-                              "wan2.1, wan2.2, hunyuan, opensora-dc-ae)")
+                              "wan2.1, wan2.2, hunyuan, opensora-dc-ae, ltx2)")
     subfolder: Optional[str] = opt(None, "subfolder of vae.path holding the autoencoder")
     scaling_factor: Optional[float] = opt(None, "latent scale (default: the model's own config; not for "
                                           "opensora-v1.2, which uses its checkpoint's shift and scale; hunyuan: "
@@ -294,11 +305,13 @@ class VAEConfig:
 class TextConfig:
     kind: str = opt("toy", "toy (built-in toy vocabulary), transformers (local folder), umt5 (Wan's umT5-XXL: "
                     "text_encoder/ + tokenizer/ of a diffusers Wan folder; run with its mask, zero-padded) or t5-clip "
-                    "(Open-Sora 2.0's T5-XXL tokens and CLIP-L pooled vector)",
-                    choices=("toy", "transformers", "umt5", "t5-clip"))
+                    "(Open-Sora 2.0's T5-XXL tokens and CLIP-L pooled vector) or gemma3-ltx2 (LTX-2's Gemma 3 + its "
+                    "release's text connectors; text.max_length=1024)",
+                    choices=("toy", "transformers", "umt5", "t5-clip", "gemma3-ltx2"))
     path: Optional[str] = opt(None, "local transformers encoder folder (text.kind=transformers or umt5); t5-clip: a "
                               "folder holding t5/ and clip/, or Open-Sora 2.0's ckpts/ download (google/t5-v1_1-xxl/ "
-                              "and openai/clip-vit-large-patch14/)")
+                              "and openai/clip-vit-large-patch14/); gemma3-ltx2: a folder holding the LTX-2 release file and Gemma 3 in "
+                              "gemma/ (or text_encoder/ + tokenizer/)")
     mask: bool = opt(True, "t5-clip: run T5 with its attention mask and mask the padded tokens in the model; false "
                      "is Open-Sora 2.0's way (no mask: the pads carry features and the model attends to all "
                      "max_length tokens)")

@@ -94,6 +94,17 @@ class RectifiedFlow:
             return torch.sigmoid(torch.special.ndtri(p) * std + mean)
         return p
 
+    def noised(self, x0: torch.Tensor, size, generator: torch.Generator, device=None,
+               time_range: tuple[float, float] | None = None):
+        """The flow-matching objective's step (``diffusion/objectives.py``): (x_t, t, velocity target,
+        None) of clean latents ``x0`` of a clip of ``size`` pixels (frames, height, width): t (within
+        ``time_range`` if given), then the noise, drawn from ``generator``."""
+        ratio = self.shift_ratio(size[-2], size[-1], x0.shape[2], x0.shape[-2:])
+        t = self.sample_timesteps(x0.shape[0], ratio, generator, device, time_range)
+        noise = torch.randn(x0.shape, generator=generator).to(device)
+        sigma_min = self.cfg.sigma_min
+        return self.interpolate(x0, noise, t, sigma_min), t, self.velocity_target(x0, noise, sigma_min), None
+
     @staticmethod
     def interpolate(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, sigma_min: float = 0.0) -> torch.Tensor:
         """x_t; with ``sigma_min`` > 0 (``diffusion.sigma_min``) Open-Sora 2.0's noise floor."""

@@ -19,7 +19,16 @@ sp = ulysses x ring it runs as:
   + ulysses_index). On GPUs the neighbours share a node, where all-to-all is cheap.
 
 Padded keys are never attended to (the backends get the true length); padded queries are
-dropped at the end. Gradients: every SP rank back-propagates the same loss, so the gather's
+dropped at the end.
+
+Blocks with more than the sharded sequence (LTX-2's: ``block(vx, ax, video, audio) -> (vx, ax)``):
+an argument may be a dataclass whose per-token fields ``sequence_args`` names ({field: dim}) or a
+tuple of per-token tensors (a (cos, sin) table); a tensor of one row where the tokens go is shared
+by all of them and left whole; a block that returns a tuple has its first element gathered and
+the rest (a stream kept whole on every rank) handed on. Attention kinds whose queries are whole
+on every rank and whose keys/values are the sharded tokens (``whole_query_kinds``: LTX-2's audio
+queries over the video) run as ring attention over the whole SP group: its backward sends each
+key block's gradient home summed over the ranks (the exact adjoint of gathering the keys). Gradients: every SP rank back-propagates the same loss, so the gather's
 backward scales this rank's slice by sp and the data-parallel mean over the SP ranks gives
 the single-process gradient (as in ``parallel/sequence.py``).
 
@@ -31,6 +40,7 @@ too; its ring handles only the CUDA flash/efficient/cuDNN ops (not CPU), takes n
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Iterable, Mapping
 
 import torch
@@ -43,8 +53,9 @@ from videodit.parallel.ring_attention import ring_attention
 from videodit.parallel.sequence import _AllToAll, _GatherForIdenticalLoss
 
 # Where an argument's tokens are: a dim, or (dim, ndim) for an argument that is per token only
-# in its ndim-dimensional form (e0: [B, L, 6, D] per token, [B, 6, D] shared).
-SequenceDim = int | tuple[int, int]
+# in its ndim-dimensional form (e0: [B, L, 6, D] per token, [B, 6, D] shared), or for a dataclass
+# argument {field name: its SequenceDim}.
+SequenceDim = int | tuple[int, int] | dict
 
 
 # ---------------------------------------------------------------------------- groups
@@ -99,6 +110,10 @@ class FullAttentionBackend(AttentionBackend):
         self.plan = plan
 
     def __call__(self, q, k, v, *, kind: str, attn_mask=None):
+        if kind in self.plan.whole_query_kinds:
+            if attn_mask is not None:
+                raise NotImplementedError("sequence-parallel attention over sharded keys takes no attn_mask")
+            return ring_attention(q, k, v, self.plan.group, self.plan.length)
         if kind != "self":
             return super().__call__(q, k, v, kind=kind, attn_mask=attn_mask)
         if attn_mask is not None:
@@ -123,6 +138,7 @@ class FullAttentionSP:
         self.ring_degree, self.ulysses_degree = ring_degree, self.size // ring_degree
         self.ulysses_group, self.ring_group = usp_groups(sp, ring_degree)
         self.sequence_args: dict[int | str, SequenceDim] = {0: 1}
+        self.whole_query_kinds: tuple[str, ...] = ()
         # Set by the first block of each forward and kept until the next one, so that
         # activation checkpointing recomputes the blocks under the same plan in backward.
         self.length = 0
@@ -147,10 +163,12 @@ class FullAttentionSP:
     # ------------------------------------------------------------------ hooks
 
     def apply(self, blocks, sequence_args: Mapping[int | str, SequenceDim],
-              attention_modules: Callable[[nn.Module], Iterable[nn.Module]] | None = None) -> None:
+              attention_modules: Callable[[nn.Module], Iterable[nn.Module]] | None = None,
+              whole_query_kinds: Iterable[str] = ()) -> None:
         if not isinstance(sequence_args.get(0), int):
             raise ValueError("sequence_args must name the token sequence x: argument 0 -> its token dim")
         self.sequence_args = dict(sequence_args)
+        self.whole_query_kinds = tuple(whole_query_kinds)
         backend = FullAttentionBackend(self)
         for block in blocks:
             for module in (attention_modules or _attention_modules)(block):
@@ -173,10 +191,24 @@ class FullAttentionSP:
 
     def _slice(self, value, where: SequenceDim | None):
         """This rank's slice of a per-token argument (see :func:`apply_full_attention_sp`)."""
-        if where is None or not torch.is_tensor(value):
+        if where is None or value is None:
+            return value
+        if isinstance(where, dict):   # a dataclass: its per-token fields
+            cached = self._slices.get(id(value))
+            if cached is not None and cached[0] is value:
+                return cached[1]
+            sliced = dataclasses.replace(value, **{name: self._slice(getattr(value, name), dim)
+                                                   for name, dim in where.items()})
+            self._slices[id(value)] = value, sliced
+            return sliced
+        if isinstance(value, tuple):   # a table of several tensors: each alike
+            return tuple(self._slice(part, where) for part in value)
+        if not torch.is_tensor(value):
             return value
         dim, ndim = where if isinstance(where, tuple) else (where, value.dim())
         if value.dim() != ndim:   # the form shared by all tokens (e0 [B, 6, D]): left whole
+            return value
+        if value.shape[dim] == 1 and self.length != 1:   # one row for every token: shared
             return value
         if value.shape[dim] != self.length:
             raise ValueError(f"a per-token argument of shape {tuple(value.shape)} has {value.shape[dim]} "
@@ -192,13 +224,15 @@ class FullAttentionSP:
 
     def _gather(self, block, args, out):
         self._slices = {}   # held no longer than the forward (a per-token e0 is as large as x)
+        if isinstance(out, tuple):   # (the sharded stream, streams whole on every rank)
+            return (self._gather(block, args, out[0]), *out[1:])
         dim = self.sequence_args[0]
         return _GatherForIdenticalLoss.apply(out, dim, self.group).narrow(dim, 0, self.length)
 
 
 def apply_full_attention_sp(blocks, sp, *, ring_degree: int, sequence_args: Mapping[int | str, SequenceDim],
-                            attention_modules: Callable[[nn.Module], Iterable[nn.Module]] | None = None
-                            ) -> FullAttentionSP:
+                            attention_modules: Callable[[nn.Module], Iterable[nn.Module]] | None = None,
+                            whole_query_kinds: Iterable[str] = ()) -> FullAttentionSP:
     """Shard the sequence over ``sp`` (ProcessGroup or 1-D DeviceMesh) around ``blocks`` and swap
     their attention backends: Ulysses over ``sp / ring_degree`` ranks, ring over ``ring_degree``.
 
@@ -207,7 +241,9 @@ def apply_full_attention_sp(blocks, sp, *, ring_degree: int, sequence_args: Mapp
     ``block(x, e0, context, rope)``: ``{0: 1, 1: (1, 4), 3: 0}``: x [B, L, D], e0 only in its
     per-token form [B, L, 6, D] ([B, 6, D] is shared), rope [L, ...]. ``attention_modules(block)``: the
     modules whose ``backend`` to swap (default: every one that has a ``backend``; kinds other
-    than "self" run locally). Every rank of the world must call this (it may create groups)."""
+    than "self" run locally, but ``whole_query_kinds``: queries whole on every rank over the sharded
+    tokens' keys, by ring attention over the SP group). Every rank of the world must call this (it
+    may create groups)."""
     plan = FullAttentionSP(sp, ring_degree=ring_degree)
-    plan.apply(blocks, sequence_args, attention_modules)
+    plan.apply(blocks, sequence_args, attention_modules, whole_query_kinds)
     return plan

@@ -212,9 +212,9 @@ def apply_family_sequence_parallel(model: nn.Module, ctx: DistContext, cfg: Para
     elif spec.sequence_parallel == "joint_attention":   # MMDiT: the caption whole, the image sharded
         apply_joint_attention_sp(model.blocks, ctx.meshes["sp"], ring_degree=cfg.sp_ring,
                                  sequence_args=spec.sequence_args)
-    else:
+    else:   # LTX-2: its audio queries, whole on every rank, over the sharded video (whole_query_kinds)
         apply_full_attention_sp(model.blocks, ctx.meshes["sp"], ring_degree=cfg.sp_ring,
-                                sequence_args=spec.sequence_args)
+                                sequence_args=spec.sequence_args, whole_query_kinds=spec.whole_query_kinds)
 
 
 def apply_memory_levers(model: nn.Module, cfg: MemoryConfig) -> list[int]:

@@ -13,6 +13,10 @@ heads), which ``parallel.gradients`` all-reduces over the TP group after backwar
 Norms over all heads (Wan's q/k RMSNorm over the full width, the plan's ``sharded_norms``)
 need the mean of squares of the whole width: they run on DTensors sharded like the columns
 (:func:`_shard_norm`), so DTensor all-reduces it.
+
+Tables of per-head values handed to an attention module as keyword arguments (LTX-2's RoPE,
+whose frequency bands differ per head: (cos, sin) [B, heads, T, head_dim / 2]) are cut to the
+rank's heads before the module runs (style ``("head_tables", names)``, :class:`_HeadTables`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                parallelize_module)
 
 from videodit.errors import UserError
@@ -48,6 +52,8 @@ def _style(style):
     if style == "colwise_gathered":
         return ColwiseParallel(output_layouts=Replicate())
     kind, layouts = style
+    if kind == "head_tables":
+        return _HeadTables(layouts)
     if kind == "fused_colwise":
         return _FusedColwise(layouts)
     if kind == "fused_rowwise":
@@ -55,6 +61,33 @@ def _style(style):
     if kind != "inputs":
         raise ValueError(f"unknown tensor-parallel style {style!r}")
     return _replicated_inputs(*(Replicate() if layout == "replicate" else None for layout in layouts))
+
+
+class _HeadTables(ParallelStyle):
+    """A module whose keyword arguments ``names`` are tables of per-head values (heads at dim 1, or
+    tuples of such tables): each rank's module gets its own heads' rows, in the column-wise
+    projections' order (rank r: heads r H/tp .. (r+1) H/tp). No gradient flows through them."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.names = tuple(names)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        size, rank = device_mesh.size(), device_mesh.get_local_rank()
+
+        def mine(table):
+            if isinstance(table, (tuple, list)):
+                return type(table)(mine(part) for part in table)
+            if table.shape[1] % size:
+                raise UserError(f"a per-head table of {table.shape[1]} heads does not split over parallel.tp={size}")
+            return table.chunk(size, dim=1)[rank]
+
+        def narrow(mod, args, kwargs):
+            return args, {name: mine(value) if name in self.names and value is not None else value
+                          for name, value in kwargs.items()}
+
+        module.register_forward_pre_hook(narrow, with_kwargs=True)
+        return module
 
 
 def _fused_chunks(sizes) -> int:

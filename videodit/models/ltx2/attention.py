@@ -22,14 +22,30 @@ from videodit.models.ltx2.rope import Table, rotate
 KINDS = ("self", "audio_self", "cross", "a2v", "v2a")
 
 
+class AcrossHeadsRMSNorm(nn.Module):
+    """ltx-core's q/k ``torch.nn.RMSNorm`` over the whole projection (all heads), computed in fp32
+    and returned in the input's dtype, as plain tensor ops: under tensor parallelism the input
+    and weight are DTensors sharded by heads and the mean of squares becomes one all-reduce
+    (``parallel/tensor.py``'s ``sharded_norms``; DTensor has no sharded ``rms_norm``)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, query_dim: int, context_dim: int, heads: int, head_dim: int, eps: float, gated: bool,
                  kind: str):
         super().__init__()
         inner = heads * head_dim
         self.heads, self.head_dim, self.kind = heads, head_dim, kind
-        self.q_norm = nn.RMSNorm(inner, eps=eps)
-        self.k_norm = nn.RMSNorm(inner, eps=eps)
+        self.q_norm = AcrossHeadsRMSNorm(inner, eps)
+        self.k_norm = AcrossHeadsRMSNorm(inner, eps)
         self.to_q = nn.Linear(query_dim, inner)
         self.to_k = nn.Linear(context_dim, inner)
         self.to_v = nn.Linear(context_dim, inner)
@@ -43,7 +59,8 @@ class Attention(nn.Module):
         None, rope (cos, sin) for q (and k, unless ``k_rope``) -> [B, T, query_dim]."""
         context = x if context is None else context
         # The head count comes from the width (split_heads), so a tensor-parallel shard of the heads
-        # runs the same code; the q/k norms then see this rank's columns only (parallel/ reduces them).
+        # runs the same code; the q/k norms then see this rank's columns only (parallel/ reduces them)
+        # and parallel/ hands in this rank's heads of the RoPE tables (one frequency band per head).
         q = split_heads(self.q_norm(self.to_q(x)), self.head_dim)
         k = split_heads(self.k_norm(self.to_k(context)), self.head_dim)
         v = split_heads(self.to_v(context), self.head_dim)

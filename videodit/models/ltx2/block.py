@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from videodit.models.layers import merge_heads, split_heads
 from videodit.models.ltx2.attention import Attention
 from videodit.models.ltx2.embeddings import FeedForward, modulate, rms, rows
 from videodit.models.ltx2.geometry import LTX2Geometry
@@ -70,6 +71,7 @@ class LTX2Block(nn.Module):
         if g.cross_attention_adaln:
             self.prompt_scale_shift_table = nn.Parameter(torch.empty(2, d))
             self.audio_prompt_scale_shift_table = nn.Parameter(torch.empty(2, a))
+        self.skip_self_attention = False   # STG's perturbed branch (LTX2Spec.skip_self_attention sets it)
 
     def forward(self, vx: torch.Tensor, ax: torch.Tensor | None, video: StreamInputs,
                 audio: StreamInputs | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -86,7 +88,9 @@ class LTX2Block(nn.Module):
 
     def _attend(self, x, inputs: StreamInputs, self_attn: Attention, text_attn: Attention, table, prompt_table):
         shift, scale, gate = rows(table, inputs.modulation, 0, 3)
-        x = x + self_attn(modulate(rms(x, self.eps), scale, shift), rope=inputs.rope) * gate
+        normed = modulate(rms(x, self.eps), scale, shift)
+        skipped = self.skip_self_attention and self_attn is self.attn1
+        x = x + (_values_only(self_attn, normed) if skipped else self_attn(normed, rope=inputs.rope)) * gate
         normed = rms(x, self.eps)
         if not self.cross_attention_adaln:
             return x + text_attn(normed, inputs.context, inputs.context_mask)
@@ -115,3 +119,12 @@ class LTX2Block(nn.Module):
     def _feed_forward(self, x, modulation, table, ff: FeedForward):
         shift, scale, gate = rows(table, modulation, 3, 3)
         return x + ff(modulate(rms(x, self.eps), scale, shift)) * gate
+
+
+def _values_only(attn: Attention, x: torch.Tensor) -> torch.Tensor:
+    """A self-attention skipped as STG perturbs it (ltx-core's ``all_perturbed``): the values pass
+    unattended, then the heads' gates (2.3) and the output projection, as in ltx-core's Attention."""
+    out = split_heads(attn.to_v(x), attn.head_dim)
+    if attn.to_gate_logits is not None:
+        out = out * (2.0 * torch.sigmoid(attn.to_gate_logits(x))).transpose(1, 2).unsqueeze(-1)
+    return attn.to_out[0](merge_heads(out))

@@ -8,12 +8,13 @@ pixels; patch 1 on the 128-channel latents of an 8 x 32 x 32 VAE.
 
 This family trains the video stream: the model inputs carry no audio, the audio stream's weights
 are loaded, left untouched and exported bit for bit. Not yet here (each a one-line refusal or
-the base class's NotImplementedError): tensor and sequence parallelism, pipeline stages, the
-planner's activation profile, LTX-2's own VAE and text encoder (``vae.kind``/``text.kind``).
+the base class's NotImplementedError): LTX-2's own VAE and text encoder (``vae.kind``/``text.kind``).
+Tensor, sequence and pipeline parallelism: ``parallel_plan.py`` and ``stage.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 
@@ -22,7 +23,7 @@ from torch import nn
 
 from videodit.errors import UserError
 from videodit.models.flop_count import FlopCount
-from videodit.models.ltx2 import flops, layouts
+from videodit.models.ltx2 import flops, layouts, parallel_plan
 from videodit.models.ltx2.geometry import DEFAULT_FPS, LTX2_0, LTX2_3, LTX2Geometry
 from videodit.models.ltx2.model import LTX2Model
 from videodit.models.ltx2.release_config import release_config
@@ -49,15 +50,31 @@ class LTX2Spec(ModelSpec):
     family = "ltx2"
     model_type = MODEL_TYPE
     geometry_type = LTX2Geometry
-    sequence_parallel = "full_attention"
-    sequence_args: dict = {}
+    sequence_parallel = parallel_plan.SEQUENCE_PARALLEL
+    sequence_args = parallel_plan.SEQUENCE_ARGS            # the video tokens sharded; text and audio whole
+    whole_query_kinds = parallel_plan.WHOLE_QUERY_KINDS    # video -> audio: whole audio queries, a ring of video keys
+    block_streams = parallel_plan.BLOCK_STREAMS            # (vx, ax): memory.offload moves both
     released_encoders = (128, 3840, CAPTION_TOKENS)   # LTX-2.0: the video VAE, the connectors' 3840-wide text
+    vae_kinds = ("ltx2",)
+    text_kinds = ("gemma3-ltx2",)
 
     released_name = "LTX-2 (the ltx-2-19b / ltx-2.3-22b release file or a diffusers transformer folder)"
     released_format = "ltx2"
     released_short = "LTX-2"
     released_fix = "use model.preset=ltx2-19b (LTX-2.0) or ltx2.3-22b (LTX-2.3)"
     export_formats = ("ltx2", "diffusers")
+
+    # ------------------------------------------------------------------ encoders
+
+    def build_vae(self, kind, path, subfolder, *, scaling_factor, micro_batch, temporal_micro_batch, dtype):
+        from videodit.models.ltx2.vae import build_ltx2_vae   # diffusers, only when asked
+        return build_ltx2_vae(path, subfolder, scaling_factor=scaling_factor, micro_batch=micro_batch, dtype=dtype)
+
+    def build_text_encoder(self, kind, path, max_length, dtype, mask=True):
+        """Gemma 3 -> the release's normalisation, projection and connectors: the DiT's 1024 text
+        tokens (registers in the padding, no mask)."""
+        from videodit.models.ltx2.text import load_ltx2_text   # transformers, only when asked
+        return load_ltx2_text(path, max_length=max_length, dtype=dtype)
 
     # ------------------------------------------------------------------ build
 
@@ -90,6 +107,14 @@ class LTX2Spec(ModelSpec):
     def build(self, geometry: LTX2Geometry) -> LTX2Model:
         return LTX2Model(geometry)
 
+    def configure(self, model: LTX2Model, m) -> LTX2Model:
+        """The video stream trains: the audio stream and the cross-modal attentions, which a video-only
+        step never reaches, are frozen (no gradients, no optimizer state; kept and exported as loaded)."""
+        for name, param in model.named_parameters():
+            if "audio" in name or "a2v" in name or name.startswith("av_ca_"):
+                param.requires_grad_(False)
+        return model
+
     def geometry_config(self, geometry: LTX2Geometry) -> dict:
         return {"model_type": MODEL_TYPE, **dataclasses.asdict(geometry), "max_pos": list(geometry.max_pos)}
 
@@ -120,6 +145,11 @@ class LTX2Spec(ModelSpec):
         if ema:
             raise UserError(f"{path} is a released LTX-2 model, which has no EMA weights; leave out --ema")
         return layouts.read_ltx2(path)
+
+    def released_config(self, geometry, experts: bool = False) -> str | None:
+        """The recipe ``ckpt import`` records with LTX-2.3 weights (its VAE, Gemma, sampling); LTX-2.0
+        has none yet (pass --config)."""
+        return "ltx2.3-22b-lora" if geometry is None or geometry.version == "2.3" else None
 
     def released_files(self, path):
         if path.is_file():
@@ -172,6 +202,23 @@ class LTX2Spec(ModelSpec):
     def frame_mask_index(self) -> int:
         return 4
 
+    # LTX-2's own objective and sampler (diffusion/ltx2_objective.py, named through diffusion/objectives.py):
+    # its token-shifted sigma, per-token sigma for a given first frame, masked MSE; its dev schedule, CFG + STG.
+    objective = "ltx2"
+
+    @contextlib.contextmanager
+    def skip_self_attention(self, model: LTX2Model, block: int | None):
+        """STG's perturbed branch: inside, block ``block``'s video self-attention passes its values
+        unattended (ltx-core's ``SKIP_VIDEO_SELF_ATTN``); None: nothing skipped."""
+        blocks = [] if block is None else [model.blocks[block]]
+        for b in blocks:
+            b.skip_self_attention = True
+        try:
+            yield
+        finally:
+            for b in blocks:
+                b.skip_self_attention = False
+
     def unconditional(self, cond: Conditions, negative=None) -> Conditions:
         if negative is None:
             return dataclasses.replace(cond, drop=torch.ones(cond.y.shape[0], dtype=torch.bool, device=cond.y.device))
@@ -184,14 +231,38 @@ class LTX2Spec(ModelSpec):
     # ------------------------------------------------------------------ blocks, parallelism
 
     def dynamic_dims(self, args):
-        """block(vx [B, T, d], ax [B, Ta, a] or None, video inputs, audio inputs): batch and tokens."""
-        vx, ax, *_ = args
-        return [(vx, [0, 1]), *(((ax, [0, 1]),) if ax is not None else ())]
+        """block(vx [B, T, d], ax [B, Ta, a] or None, video inputs, audio inputs): batch and tokens
+        of each stream, of its per-token modulations and of its RoPE tables [B, H, T, Dh/2]."""
+        vx, ax, *inputs = args
+        dims = [(vx, [0, 1]), *(((ax, [0, 1]),) if ax is not None else ())]
+        for stream in inputs:
+            if stream is None:
+                continue
+            for tensor in (stream.modulation, stream.cross_modulation):
+                if tensor is not None:
+                    dims.append((tensor, [0, 1] if tensor.shape[1] > 1 else [0]))
+            for table in (stream.rope, stream.cross_rope):
+                dims += [(part, [0, 2]) for part in table or ()]
+            dims.append((stream.context, [0]))
+        return dims
 
     def check_sequence_parallel(self, num_heads: int, *, tp: int, sp: int, ring: int) -> None:
-        if sp > 1 or tp > 1:
-            raise UserError("LTX-2 has no sequence or tensor parallelism in videodit yet; set parallel.sp=1 and "
-                            "parallel.tp=1 (FSDP shards it)")
+        parallel_plan.check_sequence_parallel(num_heads, tp=tp, sp=sp, ring=ring)
+
+    def tensor_parallel_plan(self):
+        return parallel_plan.tensor_parallel_plan()
+
+    def pipeline_stage(self, model, block_ids, *, first: bool, last: bool) -> nn.Module:
+        from videodit.models.ltx2.stage import LTX2Stage
+        return LTX2Stage(model, block_ids, first=first, last=last)
+
+    def stage_io(self, module, inputs, microbatches: int) -> dict:
+        from videodit.models.ltx2.stage import stage_io
+        return stage_io(module, inputs, microbatches)
+
+    def stage_latents(self, output, latent_shape, geometry):
+        from videodit.models.ltx2.stage import stage_latents
+        return stage_latents(output, latent_shape)
 
     # ------------------------------------------------------------------ FLOPs, memory
 
@@ -202,6 +273,14 @@ class LTX2Spec(ModelSpec):
         return ActivationDims(geometry.dim, geometry.num_heads, geometry.mlp_hidden,
                               geometry.caption_channels or geometry.dim)
 
+    def activation_profile(self, geometry: LTX2Geometry):
+        """The video stream's (``activations.py``): LTX-2.3's gated, query-modulated blocks or LTX-2.0's."""
+        from videodit.models.ltx2.activations import profile
+        return profile(geometry.gated_attention or geometry.cross_attention_adaln, geometry.caption_channels is not None)
+
     def parameter_scope(self) -> str:
-        """What ``count_parameters`` of a preset counts (``model info``)."""
-        return "the transformer (both streams, LTX-2.0's caption projections); not the text connectors nor Gemma"
+        """What ``count_parameters`` of a preset counts (``model info``): ltx-core's transformer alone,
+        as its meta-device build counts it (ltx2-19b 18,876,174,592; ltx2.3-22b 18,988,838,144)."""
+        return ("the transformer, video and audio streams and their cross-modal attentions (LTX-2.0's caption "
+                "projections too); not the text connectors (in the release file: 19.59B for LTX-2.0, 21.01B for 2.3), "
+                "Gemma's feature projection (22.16B with it: 2.3's \"22B\") nor Gemma 3")
