@@ -464,9 +464,9 @@ def test_input_errors(kwargs, match):
     assert "\n" not in str(err.value)
 
 
-# ----------------------------------------------------------------------------- Wan 2.1's sizes
+# ------------------------------------------------------------------ released sizes: Wan 2.1's, LTX-2's
 
-WAN_BUCKETS = {"wan720p": {81: (1.0, 1)}, "wan480p": {1: (1.0, 8), 81: (1.0, 2)}}
+SIZED_BUCKETS = {"wan720p": {81: (1.0, 1)}, "wan480p": {1: (1.0, 8), 81: (1.0, 2)}, "ltx544p": {49: (1.0, 1)}}
 
 
 @pytest.mark.parametrize("t, h, w, expected", [
@@ -475,14 +475,19 @@ WAN_BUCKETS = {"wan720p": {81: (1.0, 1)}, "wan480p": {1: (1.0, 8), 81: (1.0, 2)}
     (97, 720, 1280, ("wan720p", 81, "0.56", 720, 1280)),   # 720p keeps its size
     (97, 720, 960, ("wan480p", 81, "0.76", 544, 720)),     # 4:3 at 691,200 px: below 0.8 x 720p
     (1, 1000, 1000, ("wan480p", 1, "1.00", 624, 624)),     # a square image
+    (60, 544, 960, ("ltx544p", 49, "0.57", 544, 960)),     # LTX's trainer's 960x544 bucket
+    (60, 960, 544, ("ltx544p", 49, "1.76", 960, 544)),     # and upright
+    (60, 600, 800, ("ltx544p", 49, "0.74", 640, 864)),     # 4:3 near its pixel count
 ])
-def test_wan_resolutions(t, h, w, expected):
-    """Wan's sizes as bucket resolutions: landscape and portrait as Wan samples them, 4:3 and
-    square at the same pixel count, every side a multiple of 16 (VAE 8 x patch 2). A clip must
-    be longer than a bucket's length, as in Open-Sora: 97 frames for the 81-frame buckets."""
-    assert assign_one(WAN_BUCKETS, t, h, w) == expected
-    assert all(side % 16 == 0 for name in ("wan480p", "wan720p") for hw in ASPECT_RATIOS[name].values()
-               for side in hw)
+def test_released_size_resolutions(t, h, w, expected):
+    """Released sizes as bucket resolutions: landscape and portrait as the model samples them, 4:3
+    and square at the same pixel count, every side a multiple of the VAE's grid (Wan: 16, VAE 8 x
+    patch 2; LTX-2: 32). A clip must be longer than a bucket's length, as in Open-Sora: 97 frames
+    for the 81-frame buckets, 60 for LTX's 49."""
+    family = ("ltx544p",) if expected[0] == "ltx544p" else ("wan480p", "wan720p")
+    assert assign_one({name: SIZED_BUCKETS[name] for name in family}, t, h, w) == expected
+    assert all(side % grid == 0 for name, grid in (("wan480p", 16), ("wan720p", 16), ("ltx544p", 32))
+               for hw in ASPECT_RATIOS[name].values() for side in hw)
 
 
 def test_a_bucket_config_file_with_an_alias_bomb_is_refused_in_one_line(tmp_path):

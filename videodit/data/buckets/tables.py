@@ -2,8 +2,9 @@
 
 Open-Sora 1.2's tables (some built from a formula, some hand-edited as shipped), PixArt's
 tables that Open-Sora reuses, videodit's own small "Npx" tables for CPU and toy runs, and
-Wan 2.1's sizes ("wan480p": 832x480, "wan720p": 1280x720, either way up), and Open-Sora 2.0's
-tables ("256px", "512px", "768px", "1024px"; "768px-d32" for its high-compression autoencoder).
+Wan 2.1's sizes ("wan480p": 832x480, "wan720p": 1280x720, either way up), Open-Sora 2.0's
+tables ("256px", "512px", "768px", "1024px"; "768px-d32" for its high-compression autoencoder),
+and LTX-2's ("ltx544p": LTX's trainer's 960x544 bucket and its aspect variants).
 Also Open-Sora 1.2's stage-1 ``bucket_config``, the reference workload.
 """
 
@@ -71,10 +72,12 @@ RESOLUTION_NAMES: tuple[str, ...] = (
     # videodit's own small resolutions for CPU and toy runs (not in Open-Sora): "Npx" has
     # N*N pixels and sides that are multiples of 4.
     "16px", "24px", "32px", "48px", "64px", "96px", "128px",
-    # Wan 2.1's sizes (not in Open-Sora; see _wan_table).
+    # Wan 2.1's sizes (not in Open-Sora; see _sized_table).
     "wan480p", "wan720p",
     # Open-Sora 2.0's (see _opensora2_table).
     "256px", "512px", "768px", "1024px", "768px-d32",
+    # LTX-2's (see _sized_table).
+    "ltx544p",
 )
 
 # Aspect ratios of the small "Npx" tables: the common video and photo shapes.
@@ -128,17 +131,21 @@ def _small_table(side: int) -> dict[str, tuple[int, int]]:
 
 
 # Wan 2.1's released sizes, (height, width): wan/configs SUPPORTED_SIZES, "832*480" and
-# "1280*720" landscape plus their portrait turns.
-_WAN_SIZES: dict[str, tuple[int, int]] = {"wan480p": (480, 832), "wan720p": (720, 1280)}
+# "1280*720" landscape plus their portrait turns. LTX-2's: ltx-trainer's typical bucket
+# 960x544 (its --resolution-buckets "960x544x49").
+# name -> ((height, width), D: sides are multiples of D, the VAE's spatial compression x the patch)
+_SIZED: dict[str, tuple[tuple[int, int], int]] = {"wan480p": ((480, 832), 16), "wan720p": ((720, 1280), 16),
+                                                  "ltx544p": ((544, 960), 32)}
 
 
-def _wan_table(name: str) -> dict[str, tuple[int, int]]:
-    """Wan's landscape and portrait size, and 4:3, 1:1 and 3:4 shapes at about the same pixel
-    count with sides that are multiples of 16 (the VAE's 8 x the patch's 2)."""
-    h, w = _WAN_SIZES[name]
-    side = int(round(math.sqrt(h * w) / 16)) * 16
-    four_three = int(round(math.sqrt(h * w * 3 / 4) / 16)) * 16
-    landscape_43 = (four_three, int(round(four_three * 4 / 3 / 16)) * 16)
+def _sized_table(name: str) -> dict[str, tuple[int, int]]:
+    """A released size in landscape and portrait, and 4:3, 1:1 and 3:4 shapes at about the same
+    pixel count with sides that are multiples of D (Wan: 16, the VAE's 8 x the patch's 2; LTX-2:
+    32, its VAE's 32 x patch 1)."""
+    (h, w), step = _SIZED[name]
+    side = int(round(math.sqrt(h * w) / step)) * step
+    four_three = int(round(math.sqrt(h * w * 3 / 4) / step)) * step
+    landscape_43 = (four_three, int(round(four_three * 4 / 3 / step)) * step)
     sizes = [(h, w), (w, h), (side, side), landscape_43, landscape_43[::-1]]
     return dict(sorted((f"{a / b:.2f}", (a, b)) for a, b in sizes))
 
@@ -189,8 +196,8 @@ def _build_tables() -> tuple[dict[str, int], dict[str, dict[str, tuple[int, int]
         elif name.endswith("px"):
             side = int(name[:-2])
             pixels[name], tables[name] = side * side, _small_table(side)
-        elif name in _WAN_SIZES:
-            pixels[name], tables[name] = math.prod(_WAN_SIZES[name]), _wan_table(name)
+        elif name in _SIZED:
+            pixels[name], tables[name] = math.prod(_SIZED[name][0]), _sized_table(name)
         elif name in _OPENSORA_PIXELS:
             pixels[name], tables[name] = _OPENSORA_PIXELS[name], _opensora_table(name)
         else:
