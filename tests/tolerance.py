@@ -50,7 +50,7 @@ def _perturbed(got: torch.Tensor, want: torch.Tensor, bound: float) -> torch.Ten
     factor = float(os.environ.get("VIDEODIT_PERTURB", 0))
     if not factor:
         return got
-    got = got.clone()
+    got = got.clone(memory_format=torch.contiguous_format)   # a view of any layout: outputs may be strided
     flat = got.view(-1)
     flat[flat.abs().argmax()] += factor * bound * (float(want.abs().max()) or 1.0)
     return got

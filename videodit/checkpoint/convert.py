@@ -1,5 +1,5 @@
 """``videodit ckpt import`` and ``videodit ckpt export --format FORMAT``: a family's released
-weights (Open-Sora STDiT3, Wan, Open-Sora 2.0) in and out of videodit, written atomically as
+weights (Open-Sora STDiT3, Wan, Open-Sora 2.0, LTX-2) in and out of videodit, written atomically as
 model folders (a two-expert model: one folder per expert, in one staging folder).
 
     import_released(src, out_dir, run_config, use_ema=False, dtype="fp32") -> Path
@@ -28,7 +28,7 @@ from videodit.checkpoint.experts import (EXPERTS, expert_folders, expert_run_con
 from videodit.checkpoint.io import EXPORT_RECORD, EXPORT_RUN_CONFIG, is_export_dir
 from videodit.checkpoint.loaded import LoadedCheckpoint
 from videodit.checkpoint.tools import (check_new_folder, checkpoint_weights, export_dtype, run_geometry,
-                                      staged_folder, write_model_folder)
+                                      staged_folder, write_folder, write_model_folder)
 from videodit.config import ModelConfig, from_yaml
 from videodit.errors import UserError
 from videodit.models.families import families, released_spec, spec_for_model_type, spec_of
@@ -129,7 +129,9 @@ def write_imported(released: Released, out_dir: str | Path, run_config: str, use
 def export_released(ckpt: str | Path, out_dir: str | Path, fmt: str, use_ema: bool = False,
                     dtype: str = "fp32") -> Path:
     """A folder in released format ``fmt`` (``opensora``: what Open-Sora's ``STDiT3.from_pretrained``
-    loads; Wan's ``wan`` and ``diffusers``) from a videodit checkpoint, export or model folder."""
+    loads; Wan's ``wan``, ``diffusers`` and ``comfyui``; LTX-2's ``ltx2``, ``comfyui`` and ``diffusers``)
+    from a videodit checkpoint, export or model folder. The weights file carries the family's
+    safetensors metadata (``ModelSpec.export_metadata``: LTX-2's release config)."""
     target = export_dtype(dtype)
     check_new_folder(out_dir)
     return _export_released(ckpt, out_dir, fmt, use_ema, target)
@@ -155,7 +157,8 @@ def _export_released(ckpt: str | Path, out_dir: str | Path, fmt: str, use_ema: b
                             f"{', '.join(('videodit',) + spec.export_formats)}")
         state, files, weights_name = spec.export_released(fmt, geometry, tensors)
         weights_name = weights_name.replace("{folder}", Path(folder).name)   # one file named after its folder
-        return write_model_folder(folder, _cast(state, target), files, weights_name=weights_name)
+        metadata = spec.export_metadata(fmt, geometry)   # LTX-2's release format: its config travels here
+        return write_folder(folder, {weights_name: (_cast(state, target), metadata)}, files)
     path = Path(ckpt)
     if not is_export_dir(path):
         loaded = LoadedCheckpoint(path)

@@ -85,6 +85,9 @@ def read_adapters(ckpt: str | Path, fmt: str, use_ema: bool) -> list[Adapters]:
     if use_ema and weights == "model":
         warn(f"{loaded.path} has no EMA weights; exporting the model's adapters")
     adapters = loaded.tensors("model")   # every read checks the file against the manifest
+    if adapters and not any(".lora_" in name for name in adapters):   # e.g. an import that records a LoRA recipe
+        raise UserError(f"{loaded.path} holds a whole model, not a LoRA run's adapters: --lora-format writes a LoRA "
+                        "run's adapters; export this model with --format instead")
     if weights == "ema":
         adapters.update(loaded.tensors("ema"))
     prefixes = getattr(spec, "expert_prefixes", ())   # a run of both experts names its adapters by expert
@@ -104,7 +107,8 @@ def _format_files(fmt: str, part: Adapters, out_name: str, expert: str | None, d
         tensors, metadata = diffusers_lora(part.layers, part.alpha, rename, dtype)
         return {f"{DIFFUSERS_WEIGHTS}{suffix}.safetensors": (tensors, {**record, **metadata})}, {}
     if fmt == "comfyui":
-        return {f"{out_name}{suffix}.safetensors": (comfyui_lora(part.layers, part.alpha, dtype), record)}, {}
+        keys = getattr(spec, "comfyui_lora_keys", "lora_down")   # LTX-2: LTX's own lora_A/lora_B keys
+        return {f"{out_name}{suffix}.safetensors": (comfyui_lora(part.layers, part.alpha, dtype, keys), record)}, {}
     folder = f"{PEFT_FOLDERS[expert]}/" if expert else ""
     tensors, config = peft_lora(part.layers, part.alpha, part.cfg.lora.dropout, _base(part), _model_class(part.cfg),
                                 dtype)

@@ -11,9 +11,13 @@ No format keeps peft's ``.default`` adapter name: keys that carry it are a known
   written pre-multiplied by alpha / rank, and the ``lora_adapter_metadata`` (as diffusers'
   ``save_lora_weights`` writes it) says ``r = lora_alpha = rank``: the same effect in every
   diffusers version, with or without metadata support.
-- ``comfyui``: ``diffusion_model.<Wan module>.lora_down.weight`` (A), ``.lora_up.weight`` (B) and
-  ``.alpha``: ComfyUI maps ``diffusion_model.<module>`` onto the weight ``diffusion_model.<module>.weight``
-  and adds ``strength * alpha / rank * up @ down``. The weights are kept as trained.
+- ``comfyui``, by the family's ``comfyui_lora_keys``: ComfyUI maps ``diffusion_model.<module>`` onto
+  the weight ``diffusion_model.<module>.weight``. ``lora_down`` (Wan): ``.lora_down.weight`` (A),
+  ``.lora_up.weight`` (B) and ``.alpha``, kept as trained; ComfyUI adds ``strength * alpha / rank *
+  up @ down``. ``lora_A`` (LTX-2: LTX's own LoRA files, as ltx-trainer writes them): ``.lora_A.weight``
+  / ``.lora_B.weight`` and no alpha, so B is written pre-multiplied by alpha / rank: ltx-core adds
+  ``strength * B @ A``, ComfyUI takes a missing alpha as scale 1, and diffusers' LTX-2 loader
+  (``_convert_non_diffusers_ltx2_lora_to_diffusers``, alpha = rank) refuses any key without "lora".
 - ``peft``: ``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight`` and
   ``adapter_config.json`` (``lora_alpha`` = alpha), what ``PeftModel.save_pretrained`` writes.
 """
@@ -64,8 +68,8 @@ def check_format(fmt: str, family: str, loadable: tuple[str, ...]) -> None:
         raise UserError(f"--lora-format {fmt!r} is not a LoRA format; choose one of: {', '.join(LORA_FORMATS)}")
     if fmt not in loadable:
         raise UserError(f"--lora-format {fmt} does not apply to a {family} LoRA run (diffusers and ComfyUI load "
-                        f"Wan LoRAs, not {family} ones); export it as --lora-format {' or '.join(loadable)}, or "
-                        "merged with --merge-lora")
+                        f"Wan and LTX-2 LoRAs, not {family} ones); export it as --lora-format "
+                        f"{' or '.join(loadable)}, or merged with --merge-lora")
 
 
 def layer_rank(layers: Layers) -> int:
@@ -81,16 +85,25 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.detach().to("cpu", dtype).contiguous()
 
 
+def scaled_lora(layers: Layers, alpha: float, prefix: str, rename: Callable[[str], str],
+                dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """``<prefix><module>.lora_A.weight`` / ``.lora_B.weight`` with alpha / rank folded into B: the
+    adapters as a loader that knows no alpha (scale 1) applies them."""
+    rank = layer_rank(layers)
+    tensors = {}
+    for module, (a, b) in layers.items():
+        name = f"{prefix}{rename(module)}"
+        tensors[f"{name}.lora_A.weight"] = _cast(a, dtype)
+        tensors[f"{name}.lora_B.weight"] = _cast(b.float() * (alpha / rank), dtype)   # the scale folded in
+    return tensors
+
+
 def diffusers_lora(layers: Layers, alpha: float, rename: Callable[[str], str],
                    dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, safetensors metadata) for diffusers' ``load_lora_weights``; ``rename``: the
     family's module name in diffusers (Wan: ``layouts.diffusers_name``)."""
     rank = layer_rank(layers)
-    tensors = {}
-    for module, (a, b) in layers.items():
-        name = f"transformer.{rename(module)}"
-        tensors[f"{name}.lora_A.weight"] = _cast(a, dtype)
-        tensors[f"{name}.lora_B.weight"] = _cast(b.float() * (alpha / rank), dtype)   # the scale folded in
+    tensors = scaled_lora(layers, alpha, "transformer.", rename, dtype)
     # rank_pattern and alpha_pattern (empty: one rank and alpha for every module) are read, not
     # defaulted, by diffusers 0.38-0.39's loader: a file without them fails there with a KeyError.
     config = {"transformer.r": rank, "transformer.lora_alpha": rank,
@@ -99,8 +112,13 @@ def diffusers_lora(layers: Layers, alpha: float, rename: Callable[[str], str],
     return tensors, {"lora_adapter_metadata": json.dumps(config, indent=2, sort_keys=True)}
 
 
-def comfyui_lora(layers: Layers, alpha: float, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Tensors for ComfyUI's LoRA loaders (``LoraLoaderModelOnly``), under the original Wan names."""
+def comfyui_lora(layers: Layers, alpha: float, dtype: torch.dtype = torch.float32,
+                 keys: str = "lora_down") -> dict[str, torch.Tensor]:
+    """Tensors for ComfyUI's LoRA loaders (``LoraLoaderModelOnly``), under the model's original names:
+    ``keys="lora_down"`` down/up/alpha as trained (Wan), ``"lora_A"`` LTX's peft keys with the scale
+    folded into B (LTX-2: what LTX's own loaders read too)."""
+    if keys == "lora_A":
+        return scaled_lora(layers, alpha, "diffusion_model.", lambda module: module, dtype)
     tensors = {}
     for module, (a, b) in layers.items():
         name = f"diffusion_model.{module}"

@@ -27,11 +27,25 @@ def cmd_ckpt_inspect(ns) -> int:
     return 0
 
 
-# ``ckpt export --format`` values besides videodit's own, and what loads each.
+# ``ckpt export --format`` values besides videodit's own, and what loads each ({model}: the diffusers
+# class config.json names).
 EXPORT_LOADERS = {"opensora": "Open-Sora's STDiT3.from_pretrained", "wan": "Wan's WanModel.from_pretrained",
-                  "diffusers": "diffusers' WanTransformer3DModel.from_pretrained",
+                  "diffusers": "diffusers' {model}.from_pretrained",
                   "comfyui": "ComfyUI's Load Diffusion Model node, from ComfyUI/models/diffusion_models/",
-                  "opensora-v2": "Open-Sora 2.0's MMDiTModel with fused_qkv=False and use_liger_rope=True"}
+                  "opensora-v2": "Open-Sora 2.0's MMDiTModel with fused_qkv=False and use_liger_rope=True",
+                  "ltx2": "ltx-core's LTX-2 model builder (the config in the file's metadata)"}
+
+
+def export_loader(fmt: str, out: Path) -> str:
+    """What loads an export in ``fmt`` at ``out`` (diffusers: the class its config.json names)."""
+    if fmt != "diffusers":
+        return EXPORT_LOADERS[fmt]
+    model = "the transformer class config.json names"
+    for config in (out / "config.json", out / "transformer" / "config.json"):
+        if config.is_file():
+            model = str(json.loads(config.read_text()).get("_class_name", model))
+            break
+    return EXPORT_LOADERS[fmt].format(model=model)
 
 
 def cmd_ckpt_export(ns) -> int:
@@ -48,7 +62,7 @@ def cmd_ckpt_export(ns) -> int:
             out = _export_experts(ns)
         else:
             out = export_released(ns.ckpt, ns.out, ns.format, use_ema=ns.ema, dtype=ns.dtype)
-        print(f"exported to {out} ({EXPORT_LOADERS[ns.format]} loads it)")
+        print(f"exported to {out} ({export_loader(ns.format, Path(out))} loads it)")
     elif ns.low_noise_ckpt is not None:
         raise UserError("--low-noise-ckpt writes the two experts in a released layout: add --format wan or diffusers")
     else:
@@ -159,19 +173,23 @@ def register(sub) -> None:
     q.add_argument("--merge-lora", action="store_true", help="a LoRA run's checkpoint: write its base with the "
                    "adapters merged in (a whole model)")
     q.add_argument("--lora-format", choices=("diffusers", "comfyui", "peft"), help="a LoRA run's adapters alone, "
-                   "for diffusers' load_lora_weights, ComfyUI's LoRA loaders or peft's PeftModel (Wan; an STDiT "
-                   "run: peft); with --low-noise-ckpt, the two experts' files (..._high_noise, ..._low_noise)")
+                   "for diffusers' load_lora_weights, ComfyUI's LoRA loaders or peft's PeftModel (Wan, LTX-2: "
+                   "comfyui is LTX's own LoRA file; an STDiT run: peft); with --low-noise-ckpt, the two experts' "
+                   "files (..._high_noise, ..._low_noise)")
     q.add_argument("--format", default="videodit", choices=("videodit", *EXPORT_LOADERS), help="opensora: an "
                    "STDiT3 folder Open-Sora 1.2 loads (for models with model.position_embedding=opensora); wan / "
                    "diffusers: a Wan model as Wan's WanModel / diffusers' WanTransformer3DModel load it; "
                    "comfyui: a Wan model as one OUT/<OUT's name>.safetensors, Wan's names, for ComfyUI's Load "
                    "Diffusion Model; opensora-v2: an MMDiT as OUT/Open_Sora_v2.safetensors, Open-Sora 2.0's names "
-                   "and RoPE layout")
+                   "and RoPE layout; ltx2: an LTX-2 model as one OUT/<OUT's name>.safetensors in the release's "
+                   "layout (model.diffusion_model.*, its config in the metadata) for ltx-core, with comfyui the "
+                   "same file alone, diffusers an LTX2VideoTransformer3DModel folder")
     q.set_defaults(func=cmd_ckpt_export)
     q = ksub.add_parser("import", help="convert released weights (Open-Sora 1.2 STDiT3: its folder, a training "
                         "checkpoint or its ema.pt; Wan 2.1/2.2: its folder or a diffusers one, a two-expert one "
                         "becoming one folder per expert; Open-Sora 2.0: Open_Sora_v2.safetensors or a training "
-                        "checkpoint) into a videodit model folder")
+                        "checkpoint; LTX-2: the release .safetensors or a diffusers transformer folder) into a "
+                        "videodit model folder")
     q.add_argument("src")
     q.add_argument("out")
     q.add_argument("--ema", action="store_true", help="a training checkpoint's EMA weights (ema.pt)")

@@ -6,7 +6,8 @@ from __future__ import annotations
 from videodit.errors import UserError
 
 # What loads each --lora-format, in the line printed after an export.
-LORA_LOADERS = {"diffusers": "diffusers' WanPipeline.load_lora_weights(OUT) loads it",
+LORA_LOADERS = {"diffusers": "diffusers' pipeline of the family (WanPipeline, LTX2Pipeline).load_lora_weights(OUT) "
+                             "loads it",
                 "comfyui": "copy the .safetensors into ComfyUI/models/loras/ for LoraLoaderModelOnly",
                 "peft": "peft's PeftModel.from_pretrained(videodit model, OUT) loads it"}
 

@@ -7,9 +7,10 @@ given frames run at time 0 through ``x_mask``, as Wan TI2V's); RoPE is per head,
 pixels; patch 1 on the 128-channel latents of an 8 x 32 x 32 VAE.
 
 This family trains the video stream: the model inputs carry no audio, the audio stream's weights
-are loaded, left untouched and exported bit for bit. Not yet here (each a one-line refusal or
-the base class's NotImplementedError): LTX-2's own VAE and text encoder (``vae.kind``/``text.kind``).
-Tensor, sequence and pipeline parallelism: ``parallel_plan.py`` and ``stage.py``.
+are loaded, left untouched and exported bit for bit. Its own encoders: ``vae.kind=ltx2`` (``vae.py``)
+and ``text.kind=gemma3-ltx2`` (``text.py`` + ``connectors.py``); its objective and sampler:
+``diffusion/ltx2_objective.py``. Tensor, sequence and pipeline parallelism: ``parallel_plan.py`` and
+``stage.py``.
 """
 
 from __future__ import annotations
@@ -62,7 +63,13 @@ class LTX2Spec(ModelSpec):
     released_format = "ltx2"
     released_short = "LTX-2"
     released_fix = "use model.preset=ltx2-19b (LTX-2.0) or ltx2.3-22b (LTX-2.3)"
-    export_formats = ("ltx2", "diffusers")
+    # ``ltx2``: the release's single-file layout (the DiT alone; ltx-core's builder loads it);
+    # ``comfyui``: the same file alone, for ComfyUI's Load Diffusion Model; ``diffusers``: a transformer folder.
+    export_formats = ("ltx2", "comfyui", "diffusers")
+    lora_formats = ("diffusers", "comfyui", "peft")
+    # LTX's own LoRA files (ltx-trainer writes them, ltx-core, ComfyUI and diffusers' LTX2 loader read
+    # them): peft keys ``diffusion_model.<module>.lora_A/B.weight``, no alpha (checkpoint/lora_formats.py).
+    comfyui_lora_keys = "lora_A"
 
     # ------------------------------------------------------------------ encoders
 
@@ -162,25 +169,31 @@ class LTX2Spec(ModelSpec):
         return layouts.load_ltx2(path)
 
     def export_released(self, fmt: str, geometry: LTX2Geometry, tensors):
-        """``ltx2``: one file of the DiT under ``model.diffusion_model.`` (the release's names; ltx-core
-        and ComfyUI load it), whose configuration belongs in the safetensors metadata
-        (:meth:`export_metadata`; ``ltx2_config.json`` beside it says the same). ``diffusers``: an
-        ``LTX2VideoTransformer3DModel`` folder."""
+        """``ltx2``: one file of the DiT under ``model.diffusion_model.`` (the release's names), whose
+        configuration travels in the safetensors metadata (:meth:`export_metadata`; ``ltx2_config.json``
+        beside it says the same): what ltx-core's model builder loads strictly. ``comfyui``: that file
+        alone, named after its folder: ComfyUI's Load Diffusion Model strips the prefix, detects LTX-2
+        by ``adaln_single`` / ``audio_adaln_single`` and reads the sizes from the metadata config (the
+        text side, connectors included, stays with the release file that ComfyUI's text encoder
+        loader reads). ``diffusers``: an ``LTX2VideoTransformer3DModel`` folder."""
         if fmt == "diffusers":
             from videodit.models.ltx2.release_config import diffusers_config
             return (layouts.diffusers_tensors(tensors), {"config.json": json.dumps(diffusers_config(geometry), indent=2)
                                                          + "\n"}, layouts.WEIGHTS_NAME)
-        if fmt != "ltx2":
+        if fmt not in self.export_formats:
             raise UserError(f"--format {fmt} does not apply to an LTX-2 model; it exports as: "
                             f"{', '.join(('videodit',) + self.export_formats)}")
-        return (layouts.release_tensors(tensors),
-                {"ltx2_config.json": json.dumps(release_config(geometry), indent=2) + "\n"}, "{folder}.safetensors")
+        config = {"ltx2_config.json": json.dumps(release_config(geometry), indent=2) + "\n"} if fmt == "ltx2" else {}
+        return layouts.release_tensors(tensors), config, "{folder}.safetensors"
 
     def export_metadata(self, fmt: str, geometry: LTX2Geometry) -> dict[str, str]:
-        """The safetensors metadata of an exported weights file: the release's config for ``ltx2``."""
-        return layouts.release_metadata(geometry) if fmt == "ltx2" else {"format": "pt"}
+        """The safetensors metadata of an exported weights file: the release's config for the
+        single-file formats (``ltx2``, ``comfyui``), where their loaders read the model's sizes."""
+        return layouts.release_metadata(geometry) if fmt in ("ltx2", "comfyui") else {"format": "pt"}
 
     def lora_module_name(self, fmt: str, module: str) -> str:
+        """diffusers' names for its LTX2VideoTransformer3DModel; the release's (videodit's own) for
+        LTX's loaders, ComfyUI and peft."""
         return layouts.diffusers_name(module) if fmt == "diffusers" else module
 
     # ------------------------------------------------------------------ geometry, objective
