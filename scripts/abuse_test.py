@@ -254,6 +254,7 @@ def build_cases(tmp: Path) -> list[Case]:
     add_round_three_files(add, tmp, toy, run, tiny)
     # --- round 4 (#35): imports and exports
     add_round_four(add, tmp, run, tiny)
+    add_round_four_runtime(add, tmp, toy, run)
     cases.append(Case("(cleanup)", ["config", "keys"], expect=0, check=lambda: (sleeper.kill() or True, "")))
     return cases
 
@@ -524,6 +525,29 @@ def add_round_four(add, tmp: Path, run: Path, tiny) -> None:
                                                             str(tmp / "pair-new" / "out"), "--low-noise-ckpt",
                                                             str(pair["low"]), "--format", "wan"],
              check=gone(tmp / "pair-new"), says="does not match its SHA-256"))
+
+
+def add_round_four_runtime(add, tmp: Path, toy: Path, run: Path) -> None:
+    """Round 4 (#35), runtime: non-finite latents, work bounded beyond bytes, plans, empty caches
+    (W&B's disks and servers need an environment per case: tests/train/test_wandb_hardening.py)."""
+    clip = tmp / "cfg-huge.mp4"
+    add(Case("sample --cfg 1e308 (no black clip)", ["sample", "--ckpt", str(run), "--prompt", "x", "--cfg", "1e308",
+                                                    "--out", str(clip)], check=lambda: (not clip.exists(), "no clip")))
+    from videodit.data.buckets.tables import RESOLUTION_NAMES
+
+    big = tmp / "buckets-13mb.yaml"   # every resolution with 26,000 frame counts: under 16 MiB, work unbounded
+    big.write_text("bucket_config:\n" + "".join(f"  {name!r}:\n" + "".join(f"    {n}: [0.5, 4]\n"
+                                                                          for n in range(1, 26_001))
+                                                for name in RESOLUTION_NAMES))
+    add(Case("bucket config of 13 MB", ["config", "show", "tiny", f"data.bucket_config_file={big}"], timeout=60,
+             says="data.bucket_config_file"))
+    add(Case("plan: a tp training refuses", ["plan", "tiny", "--gpu-mem", "80GiB", "parallel.tp=3"],
+             says="does not divide"))
+    empty = tmp / "header-only.csv"
+    empty.write_text((toy / "train.csv").read_text().splitlines()[0] + "\n")
+    add(Case("cache build of 0 samples", ["cache", "build", "tiny", f"data.csv={empty}", "--out",
+                                          str(tmp / "empty-cache")], check=lambda: (
+        not (tmp / "empty-cache" / "manifest.json").exists(), "no cache")))
 
 
 def readonly_folder(tmp: Path) -> Path:
