@@ -1,7 +1,7 @@
 """Block swapping (``memory.swap_blocks``, ``videodit/parallel/block_swap.py``): LoRA runs whose
 first K blocks keep their frozen weights on the host train bitwise as runs without (losses and
-gradients, 5 steps, tiny STDiT and Wan, with and without full checkpointing, compiled, on an fp8
-base, on a two-expert model), and at every block boundary the swapped blocks hold at most
+gradients, 5 steps, tiny STDiT, Wan and LTX-2, with and without full checkpointing, compiled, on
+an fp8 base, on a two-expert model), and at every block boundary the swapped blocks hold at most
 ``IN_FLIGHT`` (2) blocks' bytes on the compute device. Layouts it cannot work with are refused in
 one line before anything is built."""
 
@@ -30,7 +30,11 @@ from videodit.train.trainer import Trainer
 STEPS = 5
 # STDiT: 2 pairs = 4 blocks; Wan: 3 blocks. Hidden 32, fp32, batch 2 of 4 x 16 x 16 toy clips.
 FAMILIES = {"stdit": {"model.depth": 2},
-            "wan": {"model.preset": "wan-tiny", "model.depth": 3, "model.hidden_size": 32}}
+            "wan": {"model.preset": "wan-tiny", "model.depth": 3, "model.hidden_size": 32},
+            # LTX-2.3 tiny: 2 blocks of two streams, 8x8-pixel clips at patch 1, LTX's objective
+            "ltx2": {"model.preset": "ltx2-tiny", "model.depth": 2, "model.patch_size": "[1,1,1]", "text.dim": 32,
+                     "data.height": 8, "data.width": 8, "diffusion.prediction": "velocity",
+                     "diffusion.loss_space": "velocity"}}
 
 
 def overrides(toy_dir, family: str, **extra) -> list[str]:
@@ -76,7 +80,10 @@ def assert_bitwise(got, want) -> None:
     ("wan", "full", 2, {}),
     ("stdit", "full", 2, {"train.compile": True, "train.compile_backend": "aot_eager"}),
     ("wan", "none", 2, {"lora.base_dtype": "fp8"}),
-], ids=["stdit", "stdit-checkpointed-all", "wan-all", "wan-checkpointed", "stdit-compiled", "wan-fp8-base"])
+    ("ltx2", "none", 1, {}),
+    ("ltx2", "full", 2, {"lora.base_dtype": "fp8"}),   # every block, on an fp8 base
+], ids=["stdit", "stdit-checkpointed-all", "wan-all", "wan-checkpointed", "stdit-compiled", "wan-fp8-base", "ltx2",
+        "ltx2-checkpointed-all-fp8-base"])
 def test_swapping_trains_bitwise_as_without(lora, tmp_path, family, checkpointing, swap, extra):
     run = lora(family, **{"memory.checkpointing": checkpointing, **extra})
     want = train(run, tmp_path / "resident")

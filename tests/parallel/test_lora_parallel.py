@@ -4,6 +4,7 @@ batch (tolerance as in test_distributed.py: 1e-6 absolute after 3 AdamW steps), 
 stays bitwise as it was, and a sharded LoRA checkpoint holds the adapters only and resumes.
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import tiny_overrides, torchrun
 from test_distributed import run_layouts, wan
+from videodit.checkpoint.tools import write_model_folder
 from videodit.cli import main
 from videodit.components import model_geometry
 from videodit.config import load_config
@@ -40,7 +42,9 @@ def make_base(overrides: list[str], folder: Path) -> Path:
             param.add_(torch.randn_like(param) * 0.05)
     if isinstance(model, STDiT):
         return model.save_pretrained(folder)
-    return write_wan_folder(model.state_dict(), geometry, folder)   # Wan's own folder layout
+    if cfg.model.family == "wan":
+        return write_wan_folder(model.state_dict(), geometry, folder)   # Wan's own folder layout
+    return write_model_folder(folder, model.state_dict(), {"config.json": json.dumps(spec.geometry_config(geometry))})
 
 
 def lora_runs(data_dir, tmp_path: Path, **extra) -> list[str]:
