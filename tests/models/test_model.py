@@ -114,7 +114,11 @@ def test_model_info_counts_each_preset(capsys):
     from videodit.cli import main
 
     assert main(["model", "info"]) == 0
-    rows = {line.split()[0]: int(line.split()[-1].replace(",", "")) for line in capsys.readouterr().out.splitlines()[1:]}
+    lines = capsys.readouterr().out.splitlines()[1:]
+    notes = [line for line in lines if line.split()[0].endswith(":")]   # what a family's counts cover
+    rows = {line.split()[0]: int(line.split()[-1].replace(",", "")) for line in lines if line not in notes}
+    assert rows["ltx2.3-22b"] == 18_988_838_144 and notes == [next(n for n in notes if n.startswith("ltx2: counts"))]
+    assert "not the text connectors" in notes[0]
     assert rows["tiny"] < rows["S"] < rows["B"] < rows["XL"]
     assert rows["XL"] == rows["opensora-v1.2"] == 1_208_854_288
     # Wan's releases, counted by their own code (the model study's meta-device counts)

@@ -138,6 +138,7 @@ def cmd_model_info(ns) -> int:
 
     cfg = load_config(ns.config, [])
     print(f"{'preset':<17}{'family':<7}{'depth':>6}{'hidden':>8}{'heads':>7}  {'patch':<10}{'parameters':>15}")
+    scopes = {}   # family -> what its counts cover, where a release counts otherwise
     for name, preset in MODEL_PRESETS.items():
         cfg.model = ModelConfig(preset=name).resolved()
         spec = get_spec(cfg.model.family)
@@ -148,6 +149,10 @@ def cmd_model_info(ns) -> int:
             count = count_parameters(spec.build(geometry))
         print(f"{name:<17}{cfg.model.family:<7}{preset['depth']:>6}{preset['hidden_size']:>8}{preset['num_heads']:>7}  "
               f"{str(tuple(preset['patch_size'])):<10}{count:>15,}")
+        if spec.parameter_scope():
+            scopes[cfg.model.family] = spec.parameter_scope()
+    for family, scope in scopes.items():
+        print(f"{family}: counts {scope}")
     return 0
 
 

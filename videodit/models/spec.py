@@ -295,6 +295,11 @@ class ModelSpec:
         release format carries its configuration there)."""
         return {"format": "pt"}
 
+    def parameter_scope(self) -> str | None:
+        """What a preset's parameter count covers where a release counts otherwise (``model info``
+        prints it), or None: the whole model a release names."""
+        return None
+
     # ------------------------------------------------------------------ its encoders
 
     vae_kinds: tuple[str, ...] = ()    # vae.kind values of the family's own VAEs
