@@ -71,10 +71,11 @@ def test_a_bucket_config_of_too_many_entries_is_refused_before_its_buckets_are_b
 
     import videodit.data.buckets.assign as assign
 
-    config = yaml.safe_load(bucket_yaml(200))["bucket_config"]   # 5,400 entries, ~300,000 buckets
+    config = yaml.safe_load(bucket_yaml(200))["bucket_config"]   # 200 per resolution: ~300,000 buckets
     monkeypatch.setattr(assign, "bucket_table", lambda cfg: pytest.fail("buckets were built"))
     started = time.monotonic()
-    with pytest.raises(UserError, match="bucket_config has 5,400 entries, more than the 2,048 .resolution, "
+    entries = 200 * len(RESOLUTION_NAMES)
+    with pytest.raises(UserError, match=f"bucket_config has {entries:,} entries, more than the 2,048 .resolution, "
                                         "num_frames. pairs"):
         assign.build_buckets(config)
     assert time.monotonic() - started < 5

@@ -86,7 +86,7 @@ def test_tables_are_ascending_with_opensora_sizes():
             side = int(name[:-2])
             assert table["1.00"] == (side, side) and len(table) == 5
             assert all(h % 4 == 0 and w % 4 == 0 for h, w in table.values())
-        elif name.startswith("wan"):   # Wan's sizes: test_wan_resolutions
+        elif name.startswith(("wan", "ltx")):   # released sizes: test_released_size_resolutions
             assert len(table) == 5
         else:
             assert len(table) == (40 if name in ("256", "512", "1024", "2048", "2880") else 17)
