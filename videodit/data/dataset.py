@@ -39,6 +39,15 @@ if TYPE_CHECKING:
 
 # Frames up to this many pixels decode fastest on one thread.
 _SMALL_FRAME = 256 * 256
+# A dataset whose clips, decoded whole, take at most this many bytes (by its CSV's sizes) keeps
+# them in memory once read (``VideoDataset(keep_decoded=True)``): the default toy set (540 clips
+# of 16 frames at 16x16, 6.6 MB) is then decoded once, not once per epoch.
+KEEP_DECODED_BYTES = 64 * 2**20
+
+
+def decoded_bytes(meta: Metadata) -> float:
+    """Bytes of every clip of ``meta`` decoded whole as uint8 RGB, by its CSV's sizes."""
+    return float(np.sum(meta.num_frames.astype(np.float64) * meta.heights * meta.widths * 3))
 
 
 def sample_frame_indices(total: int, num_frames: int, interval: int, rng: np.random.Generator) -> np.ndarray:
@@ -166,8 +175,12 @@ class VideoDataset(Dataset):
     """
 
     def __init__(self, meta: Metadata, plan: "BucketPlan", frame_interval: int = 1, seed: int = 0,
-                 max_replacements: int = 8, max_pixels: int = MAX_PIXELS, caption_suffix: str = "none"):
-        """``caption_suffix``: ``data.caption_suffix`` (``opensora2``: Open-Sora 2.0's fps and motion score)."""
+                 max_replacements: int = 8, max_pixels: int = MAX_PIXELS, caption_suffix: str = "none",
+                 keep_decoded: bool = False):
+        """``caption_suffix``: ``data.caption_suffix`` (``opensora2``: Open-Sora 2.0's fps and motion score).
+        ``keep_decoded``: keep every clip read, decoded whole, in this process's memory (each worker its
+        own), so later epochs only pick frames; for small datasets (``KEEP_DECODED_BYTES``). The frames
+        are the same: a read of some frames is exactly the whole decode indexed."""
         self.meta = meta
         self.caption_suffix = caption_suffix
         self.plan = plan
@@ -176,6 +189,8 @@ class VideoDataset(Dataset):
         self.max_replacements = max_replacements
         self.max_pixels = max_pixels
         self.slots: SlotBoard | None = None   # reused worker batch buffers (loader.py sets them)
+        self.kept: dict | None = {} if keep_decoded else None   # (index, height, width) -> whole clip
+        self.kept_bytes = 0
 
     def __len__(self) -> int:
         return len(self.meta)
@@ -219,11 +234,27 @@ class VideoDataset(Dataset):
         path, height, width = self.meta.paths[index], int(self.meta.heights[index]), int(self.meta.widths[index])
         if height * width > self.max_pixels:   # the CSV's size: not even opened
             raise FrameTooLarge(path, width, height, self.max_pixels, where=", by the CSV")
-        frames, _ = read_video(path, indices=pick, threaded=self._threaded(index), max_pixels=self.max_pixels,
-                               fit=(shape.height, shape.width), scratch=True)   # resized into ``out`` at once
+        if self.kept is None:
+            frames, _ = read_video(path, indices=pick, threaded=self._threaded(index), max_pixels=self.max_pixels,
+                                   fit=(shape.height, shape.width), scratch=True)   # resized into ``out`` at once
+        else:
+            frames = self._whole_clip(index, path, shape.height, shape.width)
+            frames = frames[pick(len(frames))]   # in range: sample_frame_indices clamps to the clip
         fps = self.meta.fps[index] / (self.frame_interval if shape.num_frames > 1 else 1)
         return {"video": crop_resize_uint8(frames, shape.height, shape.width, out), "text": self.caption(index, fps),
                 "fps": fps}
+
+    def _whole_clip(self, index: int, path: str, height: int, width: int) -> np.ndarray:
+        """Every frame of clip ``index`` as read for a ``height`` x ``width`` bucket, decoded once."""
+        key = (index, height, width)
+        frames = self.kept.get(key)
+        if frames is None:   # a failed read raises here and is tried again next time
+            frames, _ = read_video(path, threaded=self._threaded(index), max_pixels=self.max_pixels,
+                                   fit=(height, width))
+            if self.kept_bytes + frames.nbytes <= 2 * KEEP_DECODED_BYTES:   # a CSV that understates sizes
+                self.kept[key] = frames
+                self.kept_bytes += frames.nbytes
+        return frames
 
     def caption(self, index: int, fps: float) -> str:
         """The row's caption, with ``caption_suffix`` (``fps``: of the frames the model is given)."""

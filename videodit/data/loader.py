@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 from videodit.config import DataConfig
 from videodit.data import shared_slots
 from videodit.data.buckets.plan import BucketPlan
-from videodit.data.dataset import VideoDataset, collate
+from videodit.data.dataset import KEEP_DECODED_BYTES, VideoDataset, collate, decoded_bytes
 from videodit.data.decoder_choice import decoding_workers, resolve_decoder, use_decoder
 from videodit.data.in_flight import prefetch_factor
 from videodit.data.metadata import Metadata, read_metadata
@@ -46,7 +46,8 @@ def build_training_data(data: DataConfig, *, batch_size: int, seed: int, dp_rank
     meta = read_metadata(data.csv, bad_rows=data.bad_rows, cache=data.metadata_cache, progress=True)
     plan = BucketPlan(meta, data, batch_size, seed)
     dataset = VideoDataset(meta, plan, data.frame_interval, seed=seed, max_pixels=data.max_pixels,
-                           caption_suffix=data.caption_suffix)
+                           caption_suffix=data.caption_suffix,
+                           keep_decoded=decoded_bytes(meta) <= KEEP_DECODED_BYTES)   # the toy set: decoded once
     sampler = BucketBatchSampler(plan.assign, [b.batch_size for b in plan.buckets], seed=seed,
                                  dp_rank=dp_rank, dp_size=dp_size, fingerprint=plan.fingerprint,
                                  legacy_fingerprint=plan.legacy_fingerprint, share=meta.shared,
