@@ -22,6 +22,7 @@ from videodit.diffusion.objectives import family_sampler
 from videodit.diffusion.opensora2_sampler import ThreeWayGuidance
 from videodit.diffusion.visual_condition import FrameRule, ReferenceCondition, reference_condition
 from videodit.diffusion.rectified_flow import RectifiedFlow
+from videodit.distill.schedule import StudentSchedule
 from videodit.errors import UserError
 from videodit.models.families import get_spec, spec_of
 from videodit.models.spec import Conditions
@@ -112,9 +113,12 @@ def generate_batches(model, vae, text, flow: RectifiedFlow, prompts: list[str], 
         fps_t = torch.full((n,), float(fps), device=device)
         noise = torch.stack([prompt_noise((vae.latent_channels, t_lat, h_lat, w_lat), seed, k)
                              for k in chunk_indices]).to(device)
+        fresh = None
+        if isinstance(sampler, StudentSchedule):   # prompt k's re-noising, like its noise, depends on (seed, k)
+            fresh = functools.partial(_renoising, noise.shape[1:], seed, chunk_indices, device)
         try:
             latents = denoise(model, flow, noise, y, y_mask, steps=steps, guidance=guidance, ratio=ratio, fps=fps_t,
-                              height=height, width=width, given=given, sampler=sampler, negative=negative,
+                              height=height, width=width, given=given, sampler=sampler, negative=negative, fresh=fresh,
                               channels=None if channels is None else channels.expand(n, *channels.shape[1:]),
                               image=None if image is None else image.expand(n, *image.shape[1:]), pooled=pooled,
                               three_way=three_way, condition=condition)
@@ -125,6 +129,11 @@ def generate_batches(model, vae, text, flow: RectifiedFlow, prompts: list[str], 
             raise NonFiniteLatents(non_finite_message(exc, chunk_indices, prompts, guidance, steps)) from None
         frames = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
         yield chunk_indices, frames.permute(0, 2, 3, 4, 1).cpu().numpy()
+
+
+def _renoising(shape: tuple[int, ...], seed: int, indices: Sequence[int], device, step: int) -> torch.Tensor:
+    """The fresh noise a student's sampler adds after ``step`` to the prompts of ``indices``."""
+    return torch.stack([prompt_noise(shape, seed + 1 + step, k) for k in indices]).to(device)
 
 
 def require_finite(x: torch.Tensor, what: str, step: int | None = None) -> None:
@@ -176,9 +185,11 @@ def denoise(model, flow: RectifiedFlow, noise: torch.Tensor, y: torch.Tensor, y_
             negative: tuple[torch.Tensor, torch.Tensor] | None = None,
             channels: torch.Tensor | None = None, image: torch.Tensor | None = None,
             pooled: torch.Tensor | None = None, three_way: ThreeWayGuidance | None = None,
-            condition: ReferenceCondition | None = None) -> torch.Tensor:
+            condition: ReferenceCondition | None = None,
+            fresh: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
     """Latents from ``noise`` [N, C, T, H, W]: Euler steps (``sampler="unipc"``: Wan's UniPC, with
-    ``ratio`` its shift) with classifier-free guidance (the unconditional branch is the family's:
+    ``ratio`` its shift; a :class:`StudentSchedule`: a distilled model's few steps, unguided, ``fresh(i)``
+    its re-noising after step i) with classifier-free guidance (the unconditional branch is the family's:
     STDiT's learned null caption, or ``negative``, the encoded negative prompt). ``height``/``width``: the clip's pixel size, which Open-Sora's
     position table needs. ``given``: conditioning frames, kept as given at every step and marked
     for the model by ``x_mask``; ``channels``: the given first frame's input channels of an i2v
@@ -206,6 +217,8 @@ def denoise(model, flow: RectifiedFlow, noise: torch.Tensor, y: torch.Tensor, y_
             return flow.model_velocity(out.float(), x, t)
         return v
 
+    if isinstance(sampler, StudentSchedule):
+        return sampler.sample(velocity(cond), noise, fresh)
     own = family_sampler(spec)   # a family's own sampler (LTX-2's: its schedule, CFG + STG, first frame)
     if own is not None:
         return own(model, spec, velocity, cond, uncond, noise, steps=steps, guidance=guidance, diffusion=flow.cfg,
@@ -392,6 +405,14 @@ def write_clips(out_dir: Path, prompts: list[str], clips: np.ndarray, fps: float
     return paths
 
 
+def check_student_sampling(student: StudentSchedule, steps: int | None, guidance: float | None) -> None:
+    """A distilled model samples with the schedule it was trained on: other steps or guidance are
+    refused (30 guided steps of a 4-step student give a blur, not a clip)."""
+    if steps not in (None, len(student.steps)) or guidance not in (None, 1.0):
+        raise UserError(f"this model was distilled to sample with {student.describe()}; drop --steps and --cfg "
+                        "(its schedule is read from the run's distill.* settings)")
+
+
 def check_sampling(size: dict[str, int], steps: int, guidance: float, image_guidance: float | None = None) -> None:
     """One line for numbers a sampling call cannot use: sizes of 1 to MAX_FRAMES frames and MAX_SIDE
     pixels, 1 to MAX_STEPS steps, guidance scales finite in [0, MAX_GUIDANCE]."""
@@ -499,6 +520,10 @@ class Pipeline:
         (default ``sample.image_cfg``). Every number is checked before anything is sampled."""
         sample = self.cfg.sample
         size = self.resolve(num_frames, height, width)
+        student = StudentSchedule.of(self.cfg)   # a distilled model: its own steps, unguided
+        if student is not None:
+            check_student_sampling(student, steps, guidance)
+            steps, guidance = len(student.steps), 1.0
         steps = sample.steps if steps is None else steps
         scale = sample.cfg if guidance is None else guidance
         check_sampling(size, steps, scale, image_guidance)
@@ -528,7 +553,7 @@ class Pipeline:
                   file=sys.stderr, flush=True)
         yield from generate_batches(self.model, self.vae, self.text, self.flow, prompts, **size, steps=steps,
                                     guidance=scale, fps=fps, seed=seed, device=self.device, reference=ref,
-                                    sampler=sample.sampler, negative_prompt=sample.negative_prompt,
+                                    sampler=student or sample.sampler, negative_prompt=sample.negative_prompt,
                                     image_encoder=self.image_encoder, three_way=three_way, ref_mode=mode,
                                     reference_end=ref_end, indices=indices, prepare=prepare, batch_size=batch_size)
 

@@ -1,7 +1,7 @@
 """The one typed configuration schema: every option as a dataclass field with a default and
 a one-line description (``help`` metadata) and, where it has them, its allowed values.
 
-A leaf: it imports nothing of videodit. Reading, overriding and validating a config is
+A leaf: it imports only the preset table (``model_presets.py``). Reading, overriding and validating a config is
 ``config/load.py``.
 """
 
@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from videodit.config.model_presets import MODEL_OPTION_DEFAULTS, MODEL_PRESETS
+
 
 
 def opt(default: Any, help: str, **kw: Any) -> Any:
@@ -19,59 +21,6 @@ def opt(default: Any, help: str, **kw: Any) -> Any:
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **kw})
     return field(default=default, metadata={"help": help, **kw})
-
-
-# Model geometry presets, each of one family (``model.family``). STDiT's "depth" counts
-# spatial+temporal block pairs, as STDiT3 does: XL is Open-Sora 1.2's STDiT3-XL/2 (28 pairs,
-# hidden 1152, 16 heads, patch (1,2,2)). Wan's "depth" counts its blocks and ``ffn_dim`` is its
-# FFN width: the sizes of Wan 2.1's released T2V models (wan/configs/wan_t2v_*.py).
-MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(depth=4, hidden_size=128, num_heads=4, mlp_ratio=4.0, patch_size=[1, 4, 4]),
-    "S": dict(depth=12, hidden_size=384, num_heads=6, mlp_ratio=4.0, patch_size=[1, 2, 2]),
-    "B": dict(depth=12, hidden_size=768, num_heads=12, mlp_ratio=4.0, patch_size=[1, 2, 2]),
-    "XL": dict(depth=28, hidden_size=1152, num_heads=16, mlp_ratio=4.0, patch_size=[1, 2, 2]),
-    # XL computing exactly what Open-Sora 1.2's STDiT3 computes: for its released weights.
-    "opensora-v1.2": dict(depth=28, hidden_size=1152, num_heads=16, mlp_ratio=4.0, patch_size=[1, 2, 2],
-                          position_embedding="opensora", null_caption_mask="prompt", bf16_timesteps=True,
-                          freeze_null_caption=True),
-    "wan-tiny": dict(family="wan", depth=2, hidden_size=64, num_heads=4, ffn_dim=128, patch_size=[1, 2, 2]),
-    "wan2.1-t2v-1.3b": dict(family="wan", depth=30, hidden_size=1536, num_heads=12, ffn_dim=8960,
-                            patch_size=[1, 2, 2]),
-    "wan2.1-t2v-14b": dict(family="wan", depth=40, hidden_size=5120, num_heads=40, ffn_dim=13824,
-                           patch_size=[1, 2, 2]),
-    # Wan 2.1 I2V-14B: the 14B with 36 input channels and CLIP ViT-H/14's features (1280 wide).
-    "wan2.1-i2v-14b": dict(family="wan", depth=40, hidden_size=5120, num_heads=40, ffn_dim=13824,
-                           patch_size=[1, 2, 2], task="i2v", image_dim=1280),
-    # Wan 2.2 (wan/configs/wan_*.py at 42bf4cf): TI2V-5B on its 48-channel VAE; each A14B expert is
-    # a 14B (T2V: 16 channels in; I2V: 36, no CLIP), split at its recipe's boundary (model.expert).
-    "wan2.2-ti2v-5b": dict(family="wan", depth=30, hidden_size=3072, num_heads=24, ffn_dim=14336,
-                           patch_size=[1, 2, 2], task="ti2v"),
-    "wan2.2-t2v-a14b": dict(family="wan", depth=40, hidden_size=5120, num_heads=40, ffn_dim=13824,
-                            patch_size=[1, 2, 2], expert_boundary=0.875),
-    "wan2.2-i2v-a14b": dict(family="wan", depth=40, hidden_size=5120, num_heads=40, ffn_dim=13824,
-                            patch_size=[1, 2, 2], task="i2v", expert_boundary=0.900),
-    # Open-Sora 2.0's MMDiT (configs/diffusion/inference/256px.py): "depth" counts the double-stream
-    # blocks, depth_single the single-stream ones; 11,891,390,528 parameters. -hc is the
-    # high-compression model on the 128-channel Video DC-AE (patch 1, also 11.89B).
-    "opensora-v2": dict(family="mmdit", depth=19, depth_single=38, hidden_size=3072, num_heads=24, mlp_ratio=4.0,
-                        patch_size=[1, 2, 2], axes_dim=[16, 56, 56], bf16_timesteps=True),
-    "opensora-v2-hc": dict(family="mmdit", depth=19, depth_single=38, hidden_size=3072, num_heads=24, mlp_ratio=4.0,
-                           patch_size=[1, 1, 1], axes_dim=[16, 56, 56], bf16_timesteps=True),
-    "mmdit-tiny": dict(family="mmdit", depth=2, depth_single=2, hidden_size=64, num_heads=2, mlp_ratio=4.0,
-                       patch_size=[1, 2, 2], axes_dim=[4, 14, 14]),
-    "mmdit-S": dict(family="mmdit", depth=6, depth_single=12, hidden_size=384, num_heads=6, mlp_ratio=4.0,
-                    patch_size=[1, 2, 2], axes_dim=[8, 28, 28]),
-    # Lightricks' LTX-2 (models/ltx2/): the video stream's depth, width and heads; the release each preset
-    # is (2.0: 18,876,174,592 parameters; 2.3: 18,988,838,144; the audio stream included) lives in
-    # models/ltx2/spec.py. ltx2-tiny is LTX-2.3's shape at test size.
-    "ltx2-19b": dict(family="ltx2", depth=48, hidden_size=4096, num_heads=32, mlp_ratio=4.0, patch_size=[1, 1, 1]),
-    "ltx2.3-22b": dict(family="ltx2", depth=48, hidden_size=4096, num_heads=32, mlp_ratio=4.0, patch_size=[1, 1, 1]),
-    "ltx2-tiny": dict(family="ltx2", depth=2, hidden_size=32, num_heads=2, mlp_ratio=4.0, patch_size=[1, 1, 1]),
-}
-# The model options a preset may set, where it does not: videodit's own behaviour.
-MODEL_OPTION_DEFAULTS: dict[str, Any] = dict(family="stdit", position_embedding="videodit", null_caption_mask="full",
-                                             bf16_timesteps=False, freeze_null_caption=False, task="t2v",
-                                             depth_single=0, vec_in_dim=768, cond_embed=True)
 
 
 # The most samples one batch may hold per GPU (train.batch_size, a bucket_config batch size). The
@@ -456,6 +405,37 @@ class LoraConfig:
 
 
 @dataclass
+class DistillConfig:
+    method: Optional[str] = opt(None, "few-step distillation (docs/distillation.md): dmd2 (DMD2: the trained model is "
+                                "the student, a critic learns its samples' score, the frozen teacher gives the real "
+                                "one); null: ordinary flow-matching training", choices=("dmd2",))
+    teacher: Optional[str] = opt(None, "the model to distil (a checkpoint or exported folder, as model.init_from); "
+                                 "student and critic start from it (default: model.init_from)")
+    steps: list[int] = opt([1000, 750, 500, 250], "the student's timesteps on the 1000-grid, from noise down, each "
+                           "warped by distill.shift (lightx2v's and Self-Forcing's denoising_step_list)", nonempty=True,
+                           min=1, max=1000)
+    shift: float = opt(5.0, "the warp of distill.steps, t -> shift*t / (1 + (shift-1)*t) (Wan's students: 5)",
+                       above=0.0)
+    renoise: bool = opt(True, "the student's sampler starts each step from its x0 with fresh noise (LCM-style, as "
+                        "trained); false: Euler steps along the ODE")
+    teacher_cfg: float = opt(4.0, "the teacher's guidance in the Ho-Salimans form, uncond + w (cond - uncond); "
+                             "DMD2/Self-Forcing write w - 1 (their 3 is this 4)", min=0.0)
+    generator_every: int = opt(5, "the student updates on every n-th step (steps 0, n, 2n, ...); the critic on "
+                               "every step (DMD2's dfake_gen_update_ratio)", min=1)
+    critic_lr: Optional[float] = opt(None, "the critic's learning rate (default: train.lr)", min=0.0)
+    critic_betas: list[float] = opt([0.0, 0.999], "the critic's AdamW betas (DMD2: beta1 0; set train.betas the "
+                                    "same for the student)", length=2, min=0.0, max=1.0)
+    score_t_range: list[float] = opt([0.02, 0.98], "the range of the timesteps at which teacher and critic score "
+                                     "the student's samples (uniform, warped by distill.shift, clamped)", length=2,
+                                     min=0.0, max=1.0)
+    normaliser: str = opt("sample", "the DMD gradient's normaliser mean|x0 - x0_teacher|: per sample (Self-Forcing, "
+                          "DMD2) or over the batch (FastVideo)", choices=("sample", "batch"))
+    rollout: str = opt("simulate", "the student's input: simulate (data-free: noise run through the student's "
+                       "earlier steps, from captions only) or data (the batch's latents noised to the step)",
+                       choices=("simulate", "data"))
+
+
+@dataclass
 class ParallelConfig:
     dp_replicate: int = opt(1, "data-parallel replicas: DDP, or the replicate axis of HSDP", min=1)
     dp_shard: int = opt(-1, "FSDP2 shard group size (-1 = every rank left over, 1 = no sharding)", min=-1)
@@ -567,5 +547,6 @@ class Config:
     sample: SampleConfig = field(default_factory=SampleConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     resume: Optional[str] = opt(None, "auto (newest checkpoint in the run folder) or a checkpoint path")

@@ -117,6 +117,12 @@ def build_optimizer(model: torch.nn.Module, tc, *, lora: bool) -> torch.optim.Op
     return optimizer
 
 
+def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The LR schedule: a linear warmup over ``warmup_steps``, then constant."""
+    warmup = max(warmup_steps, 1)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+
+
 def scheduler_state(scheduler) -> dict:
     """The LR scheduler's state with plain numbers: torchao keeps each group's LR as a 0-d tensor
     (a Python float would recompile its step at every new value), which the scheduler copies."""

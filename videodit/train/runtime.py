@@ -77,3 +77,17 @@ def run_info(num_params: int) -> dict:
             pass
     return {"git_commit": commit, "versions": versions, "platform": platform.platform(),
             "num_params": num_params, "command": sys.argv, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def cuda_settings(device: torch.device) -> None:
+    """GPU fast paths that need no option: TF32 tensor cores for fp32 matmuls (what bf16
+    autocast leaves in fp32, and precision=fp32 runs), and no cuDNN autotuning, which would
+    re-benchmark every new bucket shape (the patch-embedding Conv3d).
+
+    These are torch's older TF32 switches, on purpose: torch 2.13 refuses to read the
+    precision once the newer ``fp32_precision`` switches were mixed in, and inductor reads it
+    (``get_float32_matmul_precision`` is part of its cache key)."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = False

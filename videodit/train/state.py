@@ -36,6 +36,15 @@ from videodit.train.optimizer import scheduler_state
 
 
 @dataclass
+class Role:
+    """A trained network beside the run's model (DMD2's critic): saved as ``{name}.safetensors``,
+    ``{name}_optimizer.pt`` and its LR schedule in state.json, restored exactly on resume."""
+    parallel: ParallelModel
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+
+
+@dataclass
 class Progress:
     step: int = 0      # optimizer steps done
     epoch: int = 0
@@ -51,6 +60,7 @@ class TrainState:
         self.optimizer, self.scheduler, self.ema, self.sampler = optimizer, scheduler, ema, sampler
         self.progress = Progress()
         self.lora_base = lora_base   # a LoRA run's base (checkpoint/lora.py), recorded in state.json
+        self.roles: dict[str, Role] = {}   # the objective's other trained roles (train/dmd2.py); never sharded
 
     def gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The whole model's tensors on rank 0 from every rank's shards and stages (a collective)."""
@@ -68,6 +78,8 @@ class TrainState:
         tensors = {"model": self.gather(saved_state(self.model))}   # a LoRA run: the adapters
         if self.ema is not None:
             tensors["ema"] = self.gather(self.ema.state_dict())
+        for name, role in self.roles.items():
+            tensors[name] = self.gather(saved_state(role.parallel.local_model))
         self._check_finite(tensors)
         ema_shards = self.ema.state_dict() if self.ema is not None else None
         sharded = self.parallel.sharded
@@ -95,6 +107,9 @@ class TrainState:
         if self.lora_base is not None:
             json_state["lora_base"] = self.lora_base
         torch_states = {} if sharded else {"optimizer": plain_moments(optimizer_state(self.model, self.optimizer))}
+        for name, role in self.roles.items():
+            torch_states[f"{name}_optimizer"] = plain_moments(optimizer_state(role.parallel.local_model, role.optimizer))
+            json_state.setdefault("roles", {})[name] = {"scheduler": scheduler_state(role.scheduler)}
         path = manager.save(progress.step, tensors=tensors, torch_states=torch_states, json_state=json_state,
                             config_yaml=config_yaml, metrics=metrics, blocking=blocking,
                             write_shards=write_shards if sharded else None)
@@ -142,6 +157,15 @@ class TrainState:
                                  restored_moments(ckpt.torch_state("optimizer"), self.optimizer, self.model))
         state = ckpt.json_state()
         self.scheduler.load_state_dict(state["scheduler"])
+        for name, role in self.roles.items():
+            if not ckpt.has(name):
+                raise UserError(f"checkpoint {ckpt.path} has no {name} (it was not written by a run that trains one, "
+                                "e.g. distill.method=dmd2): resume it with its own config, or start a new run "
+                                "from it with model.init_from")
+            load_model_state(role.parallel.local_model, ckpt.tensors(name))
+            load_optimizer_state(role.parallel.local_model, role.optimizer, restored_moments(
+                ckpt.torch_state(f"{name}_optimizer"), role.optimizer, role.parallel.local_model))
+            role.scheduler.load_state_dict(state["roles"][name]["scheduler"])
         epoch, offset = self.sampler.load_state_dict(state["data"], on_data_change)
         self.progress = Progress(state["step"], epoch, offset)
         rng = ckpt.tensors("rng")

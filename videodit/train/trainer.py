@@ -42,6 +42,7 @@ from videodit.diffusion.frame_mask import FrameConditioning
 from videodit.diffusion.visual_condition import visual_conditioning
 from videodit.diffusion.objectives import objective_of
 from videodit.diffusion.rectified_flow import RectifiedFlow
+from videodit.distill.schedule import StudentSchedule
 from videodit.errors import UserError, os_error_message
 from videodit.models.flops import train_step_flops
 from videodit.models.families import get_spec
@@ -56,12 +57,13 @@ from videodit.parallel.parallelize import parallelize
 from videodit.sample import NonFiniteLatents, generate, guidance_of, takes_condition, write_clips
 from videodit.toy.make import ensure_toy_data
 from videodit.train.caption_dropout import EmptyCaptionDropout
+from videodit.train.dmd2 import DMD2, check_distillation, distillation_teacher
 from videodit.train.ema import EMA
 from videodit.train.loggers import check_loggers
 from videodit.train.metrics import MetricsLogger, Throughput, peak_tflops
-from videodit.train.optimizer import build_optimizer, last_lr, require_optimizer
+from videodit.train.optimizer import build_optimizer, last_lr, require_optimizer, warmup_schedule
 from videodit.train.run_folder import RunFolder
-from videodit.train.runtime import check_config_change, run_info, seed_everything
+from videodit.train.runtime import check_config_change, cuda_settings, run_info, seed_everything
 from videodit.train.stop import StopSignals, StoppedWaitingForData
 from videodit.train.state import TrainState, expert_init_source, init_weights_from
 from videodit.train.validation import Validator
@@ -80,11 +82,12 @@ class Trainer:
         if tc.deterministic:
             torch.use_deterministic_algorithms(True)
         # Parallel sizes are checked against the world and the model before anything is built.
+        check_distillation(cfg)   # what DMD2 does not run yet: one line, before anything is built
         self.ctx = init_distributed(cfg)
         self.is_main = self.ctx.is_main
         seed_everything(tc.seed)   # the same on every rank: identical initial weights
         self.device = self.ctx.device
-        self._cuda_settings()
+        cuda_settings(self.device)
         use_bf16 = tc.precision == "bf16" or (tc.precision == "auto" and self.device.type == "cuda")
         check_base_dtype(cfg, use_bf16)   # lora.base_dtype against the run: one line, before anything is built
 
@@ -134,6 +137,8 @@ class Trainer:
             cached_conditions = self.data.require_conditions(first_frame=self.spec.takes_first_frame(model.geometry),
                                                              image=cfg.model.image_dim is not None,
                                                              pooled=cfg.text.kind in POOLED_TEXT_KINDS)
+        if cfg.distill.method:   # student (and critic) start from the teacher
+            cfg.model.init_from = cfg.model.init_from or cfg.distill.teacher
         if cfg.model.init_from:
             cfg.model.init_from = expert_init_source(cfg)
         lora_base = None
@@ -145,6 +150,7 @@ class Trainer:
             if self.is_main:
                 print(f"model.init_from: starting from the {taken}", flush=True)
         self.num_params = count_parameters(model)
+        teacher = distillation_teacher(cfg, model, self.vae, self.text)   # None unless distill.method is set
         if cfg.lora.rank:   # adapters first, then every layer of parallelism (parallel/lora.py)
             # On the host: the base reaches the device already cast (bf16) or in fp8, never in
             # fp32 whole (Wan 14B: 57 GB).
@@ -169,9 +175,11 @@ class Trainer:
         self.ema = EMA(self.model, tc.ema_decay) if tc.ema_decay > 0 else None
         self.optimizer = build_optimizer(self.model, tc, lora=bool(cfg.lora.rank))   # train/optimizer.py
         precompute_scales_after_step(self.optimizer, self.model)   # train.fp8 under FSDP2: one all-reduce
-        warmup = max(tc.warmup_steps, 1)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        self.scheduler = warmup_schedule(self.optimizer, tc.warmup_steps)
         self.state = TrainState(self.parallel, self.optimizer, self.scheduler, self.ema, self.sampler, lora_base)
+        self.distill = None if teacher is None else DMD2(self, teacher)   # its critic is saved with the run
+        if self.distill is not None:
+            self.state.roles = self.distill.roles()
 
         self.folder = RunFolder(run_dir)
         ck = cfg.checkpoint
@@ -208,6 +216,7 @@ class Trainer:
         batches = self.batches()
         bar = tqdm(total=tc.max_steps, initial=progress.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=None if self.is_main else True)
+        train_step = self.train_step if self.distill is None else self.distill.train_step
         last = {}
         stopping = False
         sampled_at = None   # the step whose clips were written last: the end does not make them again
@@ -218,13 +227,14 @@ class Trainer:
                     with stop.waiting_for_data():   # a stop signal here ends the run at once
                         micro_batches = [next(batches) for _ in range(tc.grad_accum)]
                     waited = time.perf_counter() - waiting
-                    loss, grad_norm = self.train_step(micro_batches)
+                    loss, grad_norm = train_step(micro_batches)
                     progress.step += 1
                     throughput.add(sum(len(b) for b in micro_batches), sum(map(self.model_flops, micro_batches)), waited)
                     bar.update(1)
                     if progress.step % tc.log_every == 0 or progress.step == tc.max_steps:
                         last = {"epoch": progress.epoch, "loss": loss, "lr": last_lr(self.scheduler),
-                                "grad_norm": grad_norm, **self._speed(throughput)}
+                                "grad_norm": grad_norm, **self._speed(throughput),
+                                **(self.distill.metrics() if self.distill else {})}
                         if self.skipped_steps:
                             last["skipped_steps"] = self.skipped_steps
                         metrics.log(progress.step, last)
@@ -428,19 +438,6 @@ class Trainer:
         speed.update(self.parallel.compile_metrics())   # {"recompiles": n} under train.compile
         return speed
 
-    def _cuda_settings(self) -> None:
-        """GPU fast paths that need no option: TF32 tensor cores for fp32 matmuls (what bf16
-        autocast leaves in fp32, and precision=fp32 runs), and no cuDNN autotuning, which would
-        re-benchmark every new bucket shape (the patch-embedding Conv3d).
-
-        These are torch's older TF32 switches, on purpose: torch 2.13 refuses to read the
-        precision once the newer ``fp32_precision`` switches were mixed in, and inductor reads it
-        (``get_float32_matmul_precision`` is part of its cache key)."""
-        if self.device.type == "cuda":
-            torch.set_float32_matmul_precision("high")
-            torch.backends.cudnn.allow_tf32 = True
-            torch.backends.cudnn.benchmark = False
-
     def _base_grid(self, model) -> tuple[int, int, int]:
         """(latent frames, positions per frame, caption tokens) after patching, at the data's
         base shape: where pipeline stages are balanced."""
@@ -495,11 +492,13 @@ class Trainer:
         model = self.eval_model()
         if model is None:
             return []
+        student = StudentSchedule.of(cfg)   # a distilled model samples with its own few steps, unguided
         clips = generate(model, self.vae, self.text, self.flow, cfg.sample.prompts,
                          num_frames=cfg.sample.num_frames or cfg.data.num_frames,
                          height=cfg.sample.height or cfg.data.height, width=cfg.sample.width or cfg.data.width,
-                         steps=cfg.sample.steps, guidance=guidance_of(cfg), fps=cfg.sample.fps,
-                         seed=cfg.train.seed, device=self.device, sampler=cfg.sample.sampler,
+                         steps=len(student.steps) if student else cfg.sample.steps,
+                         guidance=1.0 if student else guidance_of(cfg), fps=cfg.sample.fps, seed=cfg.train.seed,
+                         device=self.device, sampler=student or cfg.sample.sampler,
                          negative_prompt=cfg.sample.negative_prompt)
         paths = write_clips(self.run_dir / "samples" / f"step-{self.step:07d}", cfg.sample.prompts, clips,
                             cfg.sample.fps)

@@ -33,7 +33,7 @@ from videodit.models.spec import ActivationDims, Conditions, ModelSpec
 MODEL_TYPE = "videodit-ltx2"
 CAPTION_TOKENS = 1024    # Gemma's prompt, padded to 1024 tokens; the connectors' registers fill the pads
 TINY = dataclasses.replace(LTX2_3, num_layers=2, num_heads=2, head_dim=16, audio_head_dim=8, audio_in_channels=8)
-# model.preset -> the release it is (the schema's MODEL_PRESETS hold its depth, width and heads)
+# model.preset -> the release it is (config/model_presets.py's MODEL_PRESETS hold its depth, width and heads)
 PRESETS = {"ltx2-19b": LTX2_0, "ltx2.3-22b": LTX2_3, "ltx2-tiny": TINY}
 # The attention kinds of a block, by stream: LoRA's default adapts the video stream's (LTX's trainer
 # adapts to_q/to_k/to_v/to_out.0 of every kind; the audio ones join when audio trains).

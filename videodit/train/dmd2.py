@@ -1,0 +1,225 @@
+"""DMD2 (``distill.method=dmd2``): the training step of few-step distillation, and its roles.
+
+    student (the run's model)  --rollout-->  x0  --noise at t-->  teacher (frozen, guided): x0_real
+                                                                   critic (trained):       x0_fake
+    every distill.generator_every-th step: student <- 0.5 * |x0 - sg(x0 - g)|^2,  g = DMD gradient
+    every step:                            critic  <- flow matching on (sg(x0), noise, t)
+
+The student is the trainer's own model (its optimizer, LR schedule, EMA, checkpoints and
+samples as in any run); the critic is a second trained role, registered with ``TrainState``
+so checkpoints and exact resume cover it; the teacher is frozen and never saved (the run's
+config names it). Student and critic start from the teacher (``distill.teacher``, default
+``model.init_from``).
+
+Every draw comes from the batch's noise seed, and the rollout's exit step from the step's seed,
+so every rank runs the same number of forwards and a resumed run draws what the first would.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import numpy as np
+import torch
+
+from videodit.components import build_model
+from videodit.config import Config
+from videodit.distill.dmd import dmd_gradient, generator_loss, guided, score_timesteps
+from videodit.distill.schedule import StudentSchedule
+from videodit.errors import UserError
+from videodit.models.spec import Conditions
+from videodit.parallel.gradients import gradient_sync
+from videodit.parallel.parallelize import parallelize
+from videodit.sample import negative_condition
+from videodit.train.optimizer import build_optimizer, warmup_schedule
+from videodit.train.state import Role, init_weights_from
+
+FULL_REPLICAS = ("distill.method=dmd2 runs on one process or under DDP for now (parallel.dp_shard=1, tp=1, sp=1); "
+                 "FSDP2, TP and SP are not wired into its roles yet")
+
+
+def check_distillation(cfg: Config) -> None:
+    """What this DMD2 does not run yet, refused in one line each before anything is built."""
+    d, p = cfg.distill, cfg.parallel
+    if d.method is None:
+        return
+    if not (d.teacher or cfg.model.init_from):
+        raise UserError("distill.method=dmd2 distils a trained model: set distill.teacher (or model.init_from) to "
+                        "its checkpoint or exported folder")
+    if p.pp > 1:
+        raise UserError("distill.method=dmd2 runs several forwards of three models per step, which no pipeline "
+                        "schedule holds: set parallel.pp=1")
+    if p.dp_shard > 1 or p.tp > 1 or p.sp > 1:
+        raise UserError(FULL_REPLICAS)
+    if cfg.lora.rank:
+        raise UserError("distill.method=dmd2 trains full-weight student and critic for now; set lora.rank=0")
+    if cfg.model.expert == "both" or cfg.diffusion.mask_ratios is not None or cfg.memory.swap_blocks:
+        raise UserError("distill.method=dmd2 does not take model.expert=both, diffusion.mask_ratios or "
+                        "memory.swap_blocks yet; distil one expert per run without frame masks or block swapping")
+    if d.score_t_range[0] >= d.score_t_range[1]:
+        raise UserError(f"distill.score_t_range={d.score_t_range} must be [low, high] with low < high")
+
+
+def distillation_teacher(cfg: Config, model: torch.nn.Module, vae, text) -> torch.nn.Module | None:
+    """The frozen teacher of a distillation run (None for other runs): a copy of the student's
+    starting weights (``model``), or ``distill.teacher``'s where the student starts elsewhere."""
+    if cfg.distill.method is None:
+        return None
+    source = cfg.distill.teacher
+    if source is None or source == cfg.model.init_from:
+        return copy.deepcopy(model)
+    teacher = build_model(cfg, vae, text)
+    init_weights_from(teacher, source)
+    return teacher
+
+
+class DMD2:
+    """The roles and the step of a DMD2 run. ``trainer``: the run's Trainer, whose model is the
+    student; ``teacher``: the frozen model (the critic starts as a copy of it)."""
+
+    def __init__(self, trainer, teacher: torch.nn.Module):
+        cfg, tc = trainer.cfg, trainer.cfg.train
+        if trainer.ctx.dims.data_parallel not in ("none", "ddp"):   # dp_shard=-1 shards over every rank
+            raise UserError(FULL_REPLICAS)
+        self.trainer, self.cfg, self.d = trainer, cfg, cfg.distill
+        self.schedule = StudentSchedule.of(cfg)
+        self.sigmas = self.schedule.sigmas.tolist()
+        self.teacher = teacher.requires_grad_(False).eval().to(trainer.device)
+        self.critic = parallelize(copy.deepcopy(teacher).requires_grad_(True).train(), trainer.ctx, cfg.parallel,
+                                  memory=cfg.memory, loss_fn=trainer.flow.loss,
+                                  autocast_dtype=trainer.parallel.autocast_dtype)
+        critic_tc = dataclasses.replace(tc, lr=self.d.critic_lr if self.d.critic_lr is not None else tc.lr,
+                                        betas=list(self.d.critic_betas))
+        self.critic_optimizer = build_optimizer(self.critic.local_model, critic_tc, lora=False)
+        self.critic_scheduler = warmup_schedule(self.critic_optimizer, tc.warmup_steps)
+        self.negative = None if trainer.text is None else negative_condition(trainer.text, cfg.sample.negative_prompt)
+        self.spec = trainer.spec
+        self.last: dict = {}
+
+    def roles(self) -> dict[str, Role]:
+        """The trained roles besides the student, for ``TrainState``."""
+        return {"critic": Role(self.critic, self.critic_optimizer, self.critic_scheduler)}
+
+    def metrics(self) -> dict:
+        return dict(self.last)
+
+    # ------------------------------------------------------------------ the step
+
+    def train_step(self, micro_batches) -> tuple[float, float]:
+        """One DMD2 step: the student on its turns, the critic always; returns (critic loss,
+        the student's gradient norm of its last turn), both global."""
+        trainer, student = self.trainer, self.trainer.parallel
+        student.train()
+        self.critic.train()
+        generator_turn = trainer.step % self.d.generator_every == 0
+        exit_index = self._exit_index(trainer.step)
+        scale, last = 1.0 / len(micro_batches), len(micro_batches) - 1
+        samples, generator_total = [], 0.0
+        for i, batch in enumerate(micro_batches):
+            x0_data, cond, generator = self._conditions(batch)
+            with gradient_sync(student.module, enabled=i == last), torch.set_grad_enabled(generator_turn):
+                x0 = self._rollout(x0_data, cond, exit_index, generator)
+                if generator_turn:
+                    loss = generator_loss(x0, self._dmd_gradient(x0.detach(), cond, generator)) * scale
+                    loss.backward()
+                    generator_total += loss.item()
+            samples.append((x0.detach(), cond, generator))
+        grad_norm = self.last.get("student_grad_norm", 0.0)
+        if generator_turn:
+            grad_norm = student.clip_gradients(self.cfg.train.grad_clip)
+            generator_total = student.global_loss(generator_total)
+            if self._finite(generator_total, grad_norm):
+                trainer.optimizer.step()
+                trainer.scheduler.step()
+                if trainer.ema is not None:
+                    trainer.ema.update(trainer.model)
+            trainer.optimizer.zero_grad(set_to_none=True)
+            self.last.update(generator_loss=generator_total, student_grad_norm=grad_norm)
+        critic_total = sum(self.critic.forward_backward(*self._critic_inputs(*sample), scale=scale, sync=i == last)
+                           for i, sample in enumerate(samples))
+        critic_norm = self.critic.clip_gradients(self.cfg.train.grad_clip)
+        critic_total = self.critic.global_loss(critic_total)
+        if self._finite(critic_total, critic_norm):
+            self.critic_optimizer.step()
+            self.critic_scheduler.step()
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        self.last.update(critic_loss=critic_total, critic_grad_norm=critic_norm)
+        return critic_total, grad_norm
+
+    def _finite(self, loss: float, grad_norm: float) -> bool:
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            return True
+        self.trainer._nonfinite(loss, grad_norm)   # stop, or count a skipped update
+        return False
+
+    def _exit_index(self, step: int) -> int:
+        """The student step whose output is trained (backward simulation): the same on every rank."""
+        seed = np.random.SeedSequence((self.cfg.train.seed, step, 0xD3D2)).generate_state(1)[0]
+        return int(np.random.default_rng(seed).integers(len(self.sigmas)))
+
+    def _conditions(self, batch) -> tuple[torch.Tensor, Conditions, torch.Generator]:
+        """(x0 latents, the captions' conditions, the batch's generator): no caption dropout, the
+        student learns the guided teacher's outputs from the captions themselves."""
+        trainer = self.trainer
+        x0, y, y_mask, pooled, size, given, image = trainer.features(batch)
+        n, device = x0.shape[0], trainer.device
+        height, width = (torch.full((n,), float(side), device=device) for side in size[-2:])
+        keep = torch.zeros(n, dtype=torch.bool, device=device)
+        cond = Conditions(y, y_mask, keep, batch.fps.to(device), height, width, None, image=image, given=given,
+                          pooled=pooled)
+        return x0, cond, torch.Generator().manual_seed(batch.noise_seed)
+
+    def _x0(self, model, autocast, x: torch.Tensor, sigma: torch.Tensor, cond: Conditions) -> torch.Tensor:
+        """The clean sample a model's output at (x, sigma) implies, x0 = x - sigma * v, in fp32."""
+        with autocast():
+            out = model(*self.spec.model_inputs(x, sigma, cond))
+        v = self.trainer.flow.model_velocity(out.float(), x, sigma)
+        return x - sigma.view(-1, *([1] * (x.dim() - 1))) * v
+
+    def _rollout(self, x0_data: torch.Tensor, cond: Conditions, exit_index: int,
+                 generator: torch.Generator) -> torch.Tensor:
+        """The student's x0 at its step ``exit_index``: from noise through its earlier steps without
+        gradients (``rollout=simulate``, re-noised as it samples), or from the data noised there."""
+        student, device = self.trainer.parallel, self.trainer.device
+        n = x0_data.shape[0]
+
+        def noise() -> torch.Tensor:
+            return torch.randn(x0_data.shape, generator=generator).to(device)
+
+        def at(sigma: float) -> torch.Tensor:
+            return torch.full((n,), sigma, device=device)
+
+        if self.d.rollout == "data":
+            sigma = self.sigmas[exit_index]
+            x = (1 - sigma) * x0_data + sigma * noise()
+        else:
+            x = noise()
+            for sigma, sigma_next in zip(self.sigmas[:exit_index], self.sigmas[1:exit_index + 1]):
+                with torch.no_grad():
+                    x0 = self._x0(student.module, student.autocast, x, at(sigma), cond)
+                x = (1 - sigma_next) * x0 + sigma_next * noise()
+        return self._x0(student.module, student.autocast, x, at(self.sigmas[exit_index]), cond)
+
+    @torch.no_grad()
+    def _dmd_gradient(self, x0: torch.Tensor, cond: Conditions, generator: torch.Generator) -> torch.Tensor:
+        """Teacher (guided) and critic score ``x0`` noised at a score timestep: the DMD gradient."""
+        device, d = self.trainer.device, self.d
+        t = score_timesteps(x0.shape[0], tuple(d.score_t_range), d.shift, generator).to(device)
+        x_t = self.trainer.flow.interpolate(x0, torch.randn(x0.shape, generator=generator).to(device), t)
+        autocast = self.trainer.parallel.autocast
+        real = self._x0(self.teacher, autocast, x_t, t, cond)
+        if d.teacher_cfg != 1:
+            uncond = self._x0(self.teacher, autocast, x_t, t, self.spec.unconditional(cond, self.negative))
+            real = guided(real, uncond, d.teacher_cfg)
+        fake = self._x0(self.critic.module, self.critic.autocast, x_t, t, cond)
+        return dmd_gradient(x0, fake, real, d.normaliser)
+
+    def _critic_inputs(self, x0: torch.Tensor, cond: Conditions, generator: torch.Generator):
+        """The critic's flow-matching step on the student's sample: (model inputs, velocity target)
+        at a score timestep, the critic's own noise."""
+        device, d, flow = self.trainer.device, self.d, self.trainer.flow
+        t = score_timesteps(x0.shape[0], tuple(d.score_t_range), d.shift, generator).to(device)
+        noise = torch.randn(x0.shape, generator=generator).to(device)
+        return self.spec.model_inputs(flow.interpolate(x0, noise, t), t, cond), flow.velocity_target(x0, noise)
