@@ -73,6 +73,33 @@ def tiny_overrides(toy_dir, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in values.items()]
 
 
+@pytest.fixture(scope="session")
+def dmd2_teacher(toy_dir, tmp_path_factory):
+    """A tiny model to distil, as a model folder (``model.safetensors``): random weights, nothing
+    zero (a fresh DiT's zero output layer would make every sample the same grey)."""
+    import torch
+
+    from videodit.components import model_geometry
+    from videodit.config import load_config
+    from videodit.models.families import get_spec
+
+    cfg = load_config("tiny", tiny_overrides(toy_dir))
+    torch.manual_seed(0)
+    model = get_spec(cfg.model.family).build(model_geometry(cfg, 3, cfg.text.dim))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    return model.save_pretrained(tmp_path_factory.mktemp("teacher"))
+
+
+def dmd2_overrides(toy_dir, teacher, **extra) -> list[str]:
+    """A tiny DMD2 run of ``teacher``: two student steps, the student on every 2nd step."""
+    values = {"distill.method": "dmd2", "distill.teacher": str(teacher), "distill.generator_every": 2,
+              "distill.steps": "[1000,500]", "train.lr": 1e-3, "train.deterministic": True,
+              "train.warmup_steps": 1, **extra}
+    return tiny_overrides(toy_dir, **values)
+
+
 def torchrun(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """``python -m torch.distributed.run --standalone`` with ``nproc`` CPU processes (gloo), one
     thread each; stdout and stderr captured."""

@@ -1,32 +1,19 @@
 """DMD2 distillation on the trainer (train/dmd2.py): the critic's loss, the generator interval,
 exact resume of both roles, the student's sampler, and the layouts it refuses."""
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_overrides
+from conftest import dmd2_overrides
 from videodit.cli import main
 from videodit.config import load_config
 from videodit.distill.dmd import score_timesteps
 from videodit.errors import UserError
 from videodit.sample import Pipeline
 from videodit.train.trainer import Trainer
-
-
-@pytest.fixture(scope="module")
-def teacher(toy_dir, tmp_path_factory):
-    """A tiny trained model to distil (two steps of ordinary training)."""
-    run = tmp_path_factory.mktemp("teacher") / "run"
-    Trainer(load_config("tiny", tiny_overrides(toy_dir, **{"train.max_steps": 2})), run).fit()
-    return run / "checkpoints" / "step-0000002"
-
-
-def dmd2_overrides(toy_dir, teacher, **extra):
-    values = {"distill.method": "dmd2", "distill.teacher": str(teacher), "distill.generator_every": 2,
-              "distill.steps": "[1000,500]", "train.lr": 1e-3, "train.deterministic": True,
-              "train.warmup_steps": 1, **extra}
-    return tiny_overrides(toy_dir, **values)
 
 
 def weights(folder, stem="model"):
@@ -37,12 +24,12 @@ def same(a, b) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_the_student_moves_on_generator_steps_the_critic_on_every_step(toy_dir, teacher, tmp_path):
+def test_the_student_moves_on_generator_steps_the_critic_on_every_step(toy_dir, dmd2_teacher, tmp_path):
     run = tmp_path / "run"
-    Trainer(load_config("tiny", dmd2_overrides(toy_dir, teacher, **{"checkpoint.every_steps": 1})), run).fit()
+    Trainer(load_config("tiny", dmd2_overrides(toy_dir, dmd2_teacher, **{"checkpoint.every_steps": 1})), run).fit()
     ckpts = [run / "checkpoints" / f"step-{s:07d}" for s in range(1, 5)]
-    students = [weights(teacher, "ema")] + [weights(c) for c in ckpts]   # the student starts as the teacher
-    critics = [weights(teacher, "ema")] + [weights(c, "critic") for c in ckpts]
+    students = [weights(dmd2_teacher)] + [weights(c) for c in ckpts]   # the student starts as the teacher
+    critics = [weights(dmd2_teacher)] + [weights(c, "critic") for c in ckpts]
     # Step i (0-based) updates the student when i % 2 == 0: checkpoints 1 and 3 differ from the one before.
     assert [not same(students[i], students[i + 1]) for i in range(4)] == [True, False, True, False]
     assert all(not same(critics[i], critics[i + 1]) for i in range(4))
@@ -50,8 +37,8 @@ def test_the_student_moves_on_generator_steps_the_critic_on_every_step(toy_dir, 
     assert all(key in record for key in ("generator_loss", "critic_loss", "critic_grad_norm"))
 
 
-def test_resume_restores_student_critic_and_both_optimizers_exactly(toy_dir, teacher, tmp_path):
-    common = dmd2_overrides(toy_dir, teacher)
+def test_resume_restores_student_critic_and_both_optimizers_exactly(toy_dir, dmd2_teacher, tmp_path):
+    common = dmd2_overrides(toy_dir, dmd2_teacher)
     straight, split = tmp_path / "straight", tmp_path / "split"
     Trainer(load_config("tiny", common), straight).fit()
     Trainer(load_config("tiny", common + ["train.max_steps=3"]), split).fit()   # stops between generator turns
@@ -63,8 +50,8 @@ def test_resume_restores_student_critic_and_both_optimizers_exactly(toy_dir, tea
     assert all(torch.equal(x, y) for s in moments[0] for x, y in zip(moments[0][s].values(), moments[1][s].values()))
 
 
-def test_the_critic_learns_flow_matching_on_the_students_samples(toy_dir, teacher, tmp_path):
-    trainer = Trainer(load_config("tiny", dmd2_overrides(toy_dir, teacher)), tmp_path / "run")
+def test_the_critic_learns_flow_matching_on_the_students_samples(toy_dir, dmd2_teacher, tmp_path):
+    trainer = Trainer(load_config("tiny", dmd2_overrides(toy_dir, dmd2_teacher)), tmp_path / "run")
     dmd = trainer.distill
     x0_data, cond, _ = dmd._conditions(next(trainer.batches()))
     with torch.no_grad():
@@ -79,10 +66,12 @@ def test_the_critic_learns_flow_matching_on_the_students_samples(toy_dir, teache
     assert torch.equal(dmd.critic.loss(inputs, target), want)
 
 
-def test_a_distilled_run_samples_with_its_own_schedule(toy_dir, teacher, tmp_path):
+def test_a_distilled_run_samples_with_its_own_schedule(toy_dir, dmd2_teacher, tmp_path):
     run = tmp_path / "run"
-    Trainer(load_config("tiny", dmd2_overrides(toy_dir, teacher, **{"train.max_steps": 1})), run).fit()
+    Trainer(load_config("tiny", dmd2_overrides(toy_dir, dmd2_teacher, **{"train.max_steps": 1})), run).fit()
     assert list((run / "samples" / "step-0000001").glob("*.mp4"))   # the run's own samples, 2 steps, cfg 1
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(0 < row.get("sample_diversity", 0) <= 1 and "sample_motion" in row for row in logged)
     sampler = Pipeline(run, device="cpu")
     clips = sampler(["a red circle moving right"], seed=0)
     assert clips.shape[0] == 1
@@ -98,8 +87,8 @@ def test_a_distilled_run_samples_with_its_own_schedule(toy_dir, teacher, tmp_pat
     ({"lora.rank": 4}, "set lora.rank=0"),
     ({"distill.score_t_range": "[0.9,0.1]"}, "low < high"),
 ])
-def test_what_dmd2_refuses_is_named_in_one_line(toy_dir, teacher, tmp_path, capsys, extra, words):
+def test_what_dmd2_refuses_is_named_in_one_line(toy_dir, dmd2_teacher, tmp_path, capsys, extra, words):
     run = tmp_path / "run"
-    assert main(["train", "--out", str(run), *dmd2_overrides(toy_dir, teacher, **extra)]) != 0
+    assert main(["train", "--out", str(run), *dmd2_overrides(toy_dir, dmd2_teacher, **extra)]) != 0
     assert words in capsys.readouterr().err
     assert not (run / "checkpoints").exists()

@@ -125,3 +125,8 @@ def peak_tflops(device_name: str | None, override: float = 0.0) -> float | None:
     if not device_name:
         return None
     return next((peak for name, peak in PEAK_TFLOPS if name.lower() in device_name.lower()), None)
+
+
+def significant(value: float, digits: int = 4) -> float:
+    """``value`` to ``digits`` significant digits: TFLOP/s of a tiny CPU model are ~1e-5."""
+    return float(f"{value:.{digits}g}")

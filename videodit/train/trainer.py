@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import sys
 import time
@@ -42,6 +43,7 @@ from videodit.diffusion.frame_mask import FrameConditioning
 from videodit.diffusion.visual_condition import visual_conditioning
 from videodit.diffusion.objectives import objective_of
 from videodit.diffusion.rectified_flow import RectifiedFlow
+from videodit.distill.collapse import collapse_metrics
 from videodit.distill.schedule import StudentSchedule
 from videodit.errors import UserError, os_error_message
 from videodit.models.flops import train_step_flops
@@ -60,7 +62,7 @@ from videodit.train.caption_dropout import EmptyCaptionDropout
 from videodit.train.dmd2 import DMD2, check_distillation, distillation_teacher
 from videodit.train.ema import EMA
 from videodit.train.loggers import check_loggers
-from videodit.train.metrics import MetricsLogger, Throughput, peak_tflops
+from videodit.train.metrics import MetricsLogger, Throughput, peak_tflops, significant
 from videodit.train.optimizer import build_optimizer, last_lr, require_optimizer, warmup_schedule
 from videodit.train.run_folder import RunFolder
 from videodit.train.runtime import check_config_change, cuda_settings, run_info, seed_everything
@@ -216,7 +218,6 @@ class Trainer:
         batches = self.batches()
         bar = tqdm(total=tc.max_steps, initial=progress.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=None if self.is_main else True)
-        train_step = self.train_step if self.distill is None else self.distill.train_step
         last = {}
         stopping = False
         sampled_at = None   # the step whose clips were written last: the end does not make them again
@@ -227,7 +228,7 @@ class Trainer:
                     with stop.waiting_for_data():   # a stop signal here ends the run at once
                         micro_batches = [next(batches) for _ in range(tc.grad_accum)]
                     waited = time.perf_counter() - waiting
-                    loss, grad_norm = train_step(micro_batches)
+                    loss, grad_norm = self.train_step(micro_batches)
                     progress.step += 1
                     throughput.add(sum(len(b) for b in micro_batches), sum(map(self.model_flops, micro_batches)), waited)
                     bar.update(1)
@@ -301,6 +302,8 @@ class Trainer:
 
     def train_step(self, micro_batches: list[Batch]) -> tuple[float, float]:
         """One optimizer step over ``micro_batches``; returns (loss, grad norm), both global."""
+        if self.distill is not None:   # the objective's own step over its roles
+            return self.distill.train_step(micro_batches)
         self.parallel.train()
         total = 0.0
         with self.routed_step() as time_range:
@@ -429,12 +432,12 @@ class Trainer:
         samples, flops, waiting = throughput.read()
         samples, flops, waiting = self.ctx.mean(samples), self.ctx.mean(flops), self.ctx.mean(waiting)
         groups = self.ctx.world_size // self.ctx.dp_size   # ranks that split one batch's work
-        speed = {"samples_per_s": round(samples * self.ctx.dp_size, 2), "tflops": _significant(flops / groups / 1e12),
+        speed = {"samples_per_s": round(samples * self.ctx.dp_size, 2), "tflops": significant(flops / groups / 1e12),
                  "data_wait": round(waiting, 3)}
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
         peak = peak_tflops(name, self.cfg.train.peak_tflops)
         if peak:
-            speed["mfu"] = _significant(speed["tflops"] / peak)
+            speed["mfu"] = significant(speed["tflops"] / peak)
         speed.update(self.parallel.compile_metrics())   # {"recompiles": n} under train.compile
         return speed
 
@@ -493,17 +496,19 @@ class Trainer:
         if model is None:
             return []
         student = StudentSchedule.of(cfg)   # a distilled model samples with its own few steps, unguided
-        clips = generate(model, self.vae, self.text, self.flow, cfg.sample.prompts,
-                         num_frames=cfg.sample.num_frames or cfg.data.num_frames,
-                         height=cfg.sample.height or cfg.data.height, width=cfg.sample.width or cfg.data.width,
-                         steps=len(student.steps) if student else cfg.sample.steps,
-                         guidance=1.0 if student else guidance_of(cfg), fps=cfg.sample.fps, seed=cfg.train.seed,
-                         device=self.device, sampler=student or cfg.sample.sampler,
-                         negative_prompt=cfg.sample.negative_prompt)
+        clips_of = functools.partial(
+            generate, model, self.vae, self.text, self.flow, cfg.sample.prompts,
+            num_frames=cfg.sample.num_frames or cfg.data.num_frames, height=cfg.sample.height or cfg.data.height,
+            width=cfg.sample.width or cfg.data.width, steps=len(student.steps) if student else cfg.sample.steps,
+            guidance=1.0 if student else guidance_of(cfg), fps=cfg.sample.fps, device=self.device,
+            sampler=student or cfg.sample.sampler, negative_prompt=cfg.sample.negative_prompt)
+        clips = clips_of(seed=cfg.train.seed)
         paths = write_clips(self.run_dir / "samples" / f"step-{self.step:07d}", cfg.sample.prompts, clips,
                             cfg.sample.fps)
         if metrics is not None:
             metrics.log_samples(self.step, cfg.sample.prompts, clips, paths, cfg.sample.fps)
+            if student:   # DMD's mode seeking shows as seeds that agree and clips that stand still
+                metrics.log(self.step, collapse_metrics(clips, clips_of(seed=cfg.train.seed + 1)))
         return paths
 
     def eval_model(self):
@@ -579,11 +584,6 @@ class Trainer:
         if latest is None:
             print(f"resume=auto: no checkpoint in {self.ckpt_root}, starting fresh", flush=True)
         return latest
-
-
-def _significant(value: float, digits: int = 4) -> float:
-    """``value`` to ``digits`` significant digits: TFLOP/s of a tiny CPU model are ~1e-5."""
-    return float(f"{value:.{digits}g}")
 
 
 def noise_seed(seed: int, epoch: int, global_batch: int) -> int:
