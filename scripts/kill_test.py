@@ -36,7 +36,9 @@ TIMEOUT = ["parallel.timeout_minutes=1"]   # the tiny steps take milliseconds
 RANKS = 2
 
 
-def train_command(run: Path, toy: Path, steps: int, layout: str | None = None, restarts: int = 0) -> list[str]:
+def train_command(run: Path, toy: Path, steps: int, layout: str | None = None, restarts: int = 0,
+                  extra: tuple[str, ...] = ()) -> list[str]:
+    """The run's command line; ``extra``: more overrides (e.g. a DMD2 run's distill.*)."""
     overrides = {
         "data.csv": toy / "train.csv", "data.num_frames": 4, "data.frame_interval": 1, "data.height": 16, "data.width": 16,
         "model.depth": 1, "model.hidden_size": 32, "model.num_heads": 2, "model.patch_size": "[1,4,4]",
@@ -45,7 +47,7 @@ def train_command(run: Path, toy: Path, steps: int, layout: str | None = None, r
         "sample.steps": 1, "sample.prompts": "['a red circle moving right']", "resume": "auto",
         "validation.csv": "null",
     }
-    args = ["train", "--out", str(run), *[f"{k}={v}" for k, v in overrides.items()]]
+    args = ["train", "--out", str(run), *[f"{k}={v}" for k, v in overrides.items()], *extra]
     if layout is None:
         return [sys.executable, "-m", "videodit", *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
@@ -81,14 +83,14 @@ def saving_now(run: Path) -> bool:
 
 
 def run_with_kills(run: Path, toy: Path, steps: int, kills: int, rng: random.Random, log=print,
-                   layout: str | None = None) -> dict:
+                   layout: str | None = None, extra: tuple[str, ...] = ()) -> dict:
     """Start, SIGKILL after a random delay, restart, ... then let it finish. With ``layout``
     one torchrun job restarts itself: each kill hits one of its workers."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     stats = {"kills": 0, "during_save": 0, "restarts": 0}   # restarts: by hand, of a run that ended early
     while True:
         errors = tempfile.TemporaryFile()   # a pipe could fill up and stall a long job
-        command = train_command(run, toy, steps, layout, restarts=3 * kills + 3)
+        command = train_command(run, toy, steps, layout, restarts=3 * kills + 3, extra=extra)
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors, env=env)
         while stats["kills"] < kills:
             # Kill after 1-2 more logged steps, at a random moment within the next step;

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -15,18 +16,24 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from kill_test import run_with_kills, train_command  # noqa: E402
 
 
-def test_sigkill_during_training_and_saves_then_resume_is_exact(toy_dir, tmp_path):
+@pytest.mark.parametrize("objective", ["flow", "dmd2"])
+def test_sigkill_during_training_and_saves_then_resume_is_exact(toy_dir, dmd2_teacher, tmp_path, objective):
+    """Flow matching, and DMD2 with its second trained role (the critic) and two optimizers."""
     import random
 
     steps = 10
+    extra = () if objective == "flow" else (
+        "distill.method=dmd2", f"distill.teacher={dmd2_teacher}", "distill.generator_every=2",
+        "distill.steps=[1000,500]")
     straight = tmp_path / "straight"
-    subprocess.run(train_command(straight, toy_dir, steps), check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(train_command(straight, toy_dir, steps, extra=extra), check=True, stdout=subprocess.DEVNULL)
     killed = tmp_path / "killed"
-    stats = run_with_kills(killed, toy_dir, steps, kills=3, rng=random.Random(1), log=lambda _: None)
+    stats = run_with_kills(killed, toy_dir, steps, kills=3, rng=random.Random(1), log=lambda _: None, extra=extra)
     assert stats["kills"] == 3 and stats["during_save"] >= 1
-    a = load_file(str(straight / f"checkpoints/step-{steps:07d}/model.safetensors"))
-    b = load_file(str(killed / f"checkpoints/step-{steps:07d}/model.safetensors"))
-    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    for stem in ("model", "ema") + (("critic",) if objective == "dmd2" else ()):
+        a = load_file(str(straight / f"checkpoints/step-{steps:07d}/{stem}.safetensors"))
+        b = load_file(str(killed / f"checkpoints/step-{steps:07d}/{stem}.safetensors"))
+        assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), stem
     # save_total_limit=3 held through all the restarts, and no staging folder is left.
     names = sorted(p.name for p in (killed / "checkpoints").iterdir())
     assert len([n for n in names if n.startswith("step-")]) <= 4 and not [n for n in names if n.startswith(".")]
