@@ -51,6 +51,10 @@ def export_loader(fmt: str, out: Path) -> str:
 def cmd_ckpt_export(ns) -> int:
     from videodit.checkpoint import export, export_released
 
+    if ns.extract_lora is not None:   # a LoRA extracted from a whole-weight run (checkpoint/lora_extract.py)
+        return cmd_extract_lora(ns)
+    if ns.min_params is not None:
+        raise UserError("--min-params sets which weights --extract-lora factors: add --extract-lora RANK")
     if ns.lora_format is not None:   # the adapters alone: cli/ckpt_lora.py
         from videodit.cli.ckpt_lora import cmd_export_lora
         return cmd_export_lora(ns)
@@ -68,6 +72,34 @@ def cmd_ckpt_export(ns) -> int:
     else:
         out = export(ns.ckpt, ns.out, use_ema=ns.ema, dtype=ns.dtype, merge_lora=ns.merge_lora)
         print(f"exported to {out} (videodit sample --ckpt {out} loads it)")
+    return 0
+
+
+def cmd_extract_lora(ns) -> int:
+    """``--extract-lora RANK``: student minus base, factored, in lightx2v's layout; what it took, how
+    much of the change the rank holds, and a distilled run's sampling (also in OUT/SAMPLING.md)."""
+    from videodit.checkpoint.lora_extract import MIN_PARAMS, SAMPLING_NOTE, extract_lora
+
+    other = [flag for flag, given in (("--lora-format", ns.lora_format is not None), ("--merge-lora", ns.merge_lora),
+                                      ("--format", ns.format != "videodit"),
+                                      ("--low-noise-ckpt", ns.low_noise_ckpt is not None)) if given]
+    if other:
+        raise UserError(f"--extract-lora writes one LoRA file from one whole-weight run: leave out {other[0]}")
+    done = extract_lora(ns.ckpt, ns.out, ns.extract_lora, MIN_PARAMS if ns.min_params is None else ns.min_params,
+                        dtype=ns.dtype)
+    ranks = sorted(set(done.ranks.values()))
+    shown = f"rank {done.rank}" if ranks in ([done.rank], []) else \
+        f"rank {done.rank}, capped at a weight's smaller side: {', '.join(map(str, ranks))}"
+    print(f"extracted from the {done.weights} weights of {done.source} (step {done.step}) minus the base "
+          f"{done.base} ({done.base_option}): {done.factored} weights as lora_up/lora_down ({shown}; "
+          f"{100 * done.kept:.2f}% of their change, relative error {done.relative_error:.2e}), {done.whole} tensors "
+          f"whole as .diff/.diff_b, {done.unchanged} unchanged left out")
+    print(f"exported to {done.out / done.file} (copy it into ComfyUI/models/loras/ for LoraLoaderModelOnly at "
+          "strength 1, on the base's weights)")
+    if done.sampling is None:
+        print("not a distilled run: no sampler note; sample as the base samples")
+    else:
+        print(f"sample it as distilled ({done.out / SAMPLING_NOTE}):\n{done.sampling.rstrip()}")
     return 0
 
 
@@ -181,6 +213,13 @@ def register(sub) -> None:
                    "for diffusers' load_lora_weights, ComfyUI's LoRA loaders or peft's PeftModel (Wan, LTX-2: "
                    "comfyui is LTX's own LoRA file; an STDiT run: peft); with --low-noise-ckpt, the two experts' "
                    "files (..._high_noise, ..._low_noise)")
+    q.add_argument("--extract-lora", type=int, metavar="RANK", help="a whole-weight run (a distilled student, a "
+                   "fine-tune) as a LoRA on its base (distill.teacher, else model.init_from): the EMA weights (else "
+                   "the model's) minus the base, each large 2-D weight's difference factored by SVD to RANK "
+                   "(lora_up/lora_down, no alpha), the rest whole (.diff/.diff_b), in lightx2v's layout for ComfyUI: "
+                   "OUT/<OUT's name>.safetensors, and OUT/SAMPLING.md with a distilled run's sampler")
+    q.add_argument("--min-params", type=int, metavar="N", help="with --extract-lora: the values from which a 2-D "
+                   "weight is factored (default 1000000, lightx2v's); smaller ones travel whole as .diff")
     q.add_argument("--format", default="videodit", choices=("videodit", *EXPORT_LOADERS), help="opensora: an "
                    "STDiT3 folder Open-Sora 1.2 loads (for models with model.position_embedding=opensora); wan / "
                    "diffusers: a Wan model as Wan's WanModel / diffusers' WanTransformer3DModel load it; "
