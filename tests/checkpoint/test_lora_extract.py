@@ -244,6 +244,19 @@ def test_the_sampler_note_is_written_for_a_distilled_run_only(world, capsys):
     assert "not a distilled run: no sampler note" in printed
 
 
+def test_a_distilled_runs_whole_export_carries_its_sampler_note(world):
+    """Every released format takes the same path (comfyui and diffusers refuse this test-size shape)."""
+    from videodit.checkpoint.convert import export_released
+
+    fmt = "wan"
+    schedule = StudentSchedule(steps=(1000, 500), shift=5.0, renoise=True)
+    out = export_released(world["distilled"] / "checkpoints" / "step-0000001", world["root"] / f"whole-{fmt}", fmt,
+                          use_ema=True)
+    assert schedule.describe() in (out / "SAMPLING.md").read_text()
+    plain = export_released(world["finetune"], world["root"] / f"plain-{fmt}", fmt)   # not distilled: no note
+    assert not (plain / "SAMPLING.md").exists()
+
+
 # ----------------------------------------------------------------------------- diffusers
 
 

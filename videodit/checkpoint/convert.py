@@ -25,11 +25,12 @@ import torch
 
 from videodit.checkpoint.experts import (EXPERTS, expert_folders, expert_run_config, experts_run, split_experts,
                                          write_experts)
-from videodit.checkpoint.io import EXPORT_RECORD, EXPORT_RUN_CONFIG, is_export_dir
+from videodit.checkpoint.io import EXPORT_RECORD, EXPORT_RUN_CONFIG, SAMPLING_NOTE, is_export_dir
 from videodit.checkpoint.loaded import LoadedCheckpoint
 from videodit.checkpoint.tools import (check_new_folder, checkpoint_weights, export_dtype, run_geometry,
                                       staged_folder, write_folder, write_model_folder)
 from videodit.config import ModelConfig, from_yaml
+from videodit.distill.schedule import StudentSchedule
 from videodit.errors import UserError
 from videodit.models.families import families, released_spec, spec_for_model_type, spec_of
 from videodit.models.pretrained import check_fits, folder_geometry
@@ -150,16 +151,20 @@ def export_released_pair(ckpts: tuple[str | Path, str | Path], out_dir: str | Pa
 
 
 def _export_released(ckpt: str | Path, out_dir: str | Path, fmt: str, use_ema: bool, target: torch.dtype) -> Path:
+    path = Path(ckpt)
+    note = None if is_export_dir(path) else student_sampling(LoadedCheckpoint(path).config_yaml())
+
     def write(folder: Path, geometry, tensors: dict) -> Path:
         spec = spec_of(geometry)
         if fmt not in spec.export_formats:
             raise UserError(f"--format {fmt} does not apply to a {spec.family} model; it exports as: "
                             f"{', '.join(('videodit',) + spec.export_formats)}")
         state, files, weights_name = spec.export_released(fmt, geometry, tensors)
+        if note is not None:   # a released format carries no run config: the student's sampler beside it
+            files = {**files, SAMPLING_NOTE: note}
         weights_name = weights_name.replace("{folder}", Path(folder).name)   # one file named after its folder
         metadata = spec.export_metadata(fmt, geometry)   # LTX-2's release format: its config travels here
         return write_folder(folder, {weights_name: (_cast(state, target), metadata)}, files)
-    path = Path(ckpt)
     if not is_export_dir(path):
         loaded = LoadedCheckpoint(path)
         if experts_run(loaded.config_yaml()):   # both experts of one run: the release's two folders
@@ -168,6 +173,15 @@ def _export_released(ckpt: str | Path, out_dir: str | Path, fmt: str, use_ema: b
             return write_experts(out_dir, expert_folders(family, fmt), split_experts(tensors, loaded.config_yaml()),
                                  lambda folder, own, config: write(folder, run_geometry(config, own), own))
     return write(Path(out_dir), *_videodit_weights(path, use_ema))
+
+
+def student_sampling(config_yaml: str) -> str | None:
+    """``SAMPLING.md`` of a distilled run's export (None for other runs): its few steps, unguided."""
+    schedule = StudentSchedule.of(from_yaml(config_yaml, "the checkpoint's config.yaml"))
+    if schedule is None:
+        return None
+    return (f"# Sampling this model\n\nA few-step student distilled by videodit (distill.method). Sample it as "
+            f"it was trained: {schedule.describe()}.\n")
 
 
 def _videodit_weights(path: Path, use_ema: bool):

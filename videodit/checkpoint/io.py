@@ -50,6 +50,7 @@ EXPORT_MARK = "videodit_export"   # the export record inside a legacy export's c
 # arguments, model.safetensors), plus the run's config (encoders, sampling defaults) and a
 # record of where the weights came from.
 EXPORT_RUN_CONFIG, EXPORT_RECORD = "run_config.yaml", "export.json"
+SAMPLING_NOTE = "SAMPLING.md"   # a distilled model's sampler, beside exports that carry no run config
 
 
 def checkpoint_name(step: int) -> str:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from videodit.checkpoint.experts import experts_run
+from videodit.checkpoint.io import SAMPLING_NOTE
 from videodit.checkpoint.loaded import LoadedCheckpoint
 from videodit.checkpoint.lora import init_weights, lora_config
 from videodit.checkpoint.tools import check_new_folder, export_dtype, run_geometry, write_folder
@@ -40,7 +41,6 @@ from videodit.errors import UserError
 from videodit.models.families import get_spec
 
 MIN_PARAMS = 1_000_000   # lightx2v's: smaller 2-D weights travel whole, as .diff
-SAMPLING_NOTE = "SAMPLING.md"
 
 
 @dataclass
