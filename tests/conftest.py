@@ -75,21 +75,31 @@ def tiny_overrides(toy_dir, **extra) -> list[str]:
 
 @pytest.fixture(scope="session")
 def dmd2_teacher(toy_dir, tmp_path_factory):
-    """A tiny model to distil, as a model folder (``model.safetensors``): random weights, nothing
-    zero (a fresh DiT's zero output layer would make every sample the same grey)."""
+    """A tiny model to distil, as a model folder (``model.safetensors``)."""
+    return random_model_folder(tiny_overrides(toy_dir), tmp_path_factory.mktemp("teacher"))
+
+
+def random_model_folder(overrides: list[str], folder) -> "Path":
+    """Random weights of the model of ``overrides``, nothing zero (a fresh DiT's zero output layer
+    would make every sample the same grey), as a model folder ``model.init_from`` reads."""
+    import json
+
     import torch
 
+    from videodit.checkpoint.tools import write_model_folder
     from videodit.components import model_geometry
     from videodit.config import load_config
     from videodit.models.families import get_spec
 
-    cfg = load_config("tiny", tiny_overrides(toy_dir))
+    cfg = load_config("tiny", overrides)
+    spec = get_spec(cfg.model.family)
     torch.manual_seed(0)
-    model = get_spec(cfg.model.family).build(model_geometry(cfg, 3, cfg.text.dim))
+    geometry = model_geometry(cfg, 3, cfg.text.dim)
+    model = spec.build(geometry)
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
-    return model.save_pretrained(tmp_path_factory.mktemp("teacher"))
+    return write_model_folder(folder, model.state_dict(), {"config.json": json.dumps(spec.geometry_config(geometry))})
 
 
 def dmd2_overrides(toy_dir, teacher, **extra) -> list[str]:

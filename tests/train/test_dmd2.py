@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import dmd2_overrides
+from conftest import dmd2_overrides, random_model_folder, tiny_overrides
 from videodit.cli import main
 from videodit.config import load_config
 from videodit.distill.dmd import score_timesteps
@@ -81,11 +81,31 @@ def test_a_distilled_run_samples_with_its_own_schedule(toy_dir, dmd2_teacher, tm
         sampler(["a red circle moving right"], guidance=4.0)
 
 
+FAMILIES = {
+    "wan": {"model.preset": "wan-tiny", "text.dim": 32},
+    "mmdit": {"model.preset": "mmdit-tiny", "model.hidden_size": 64, "model.patch_size": "[1,2,2]", "text.dim": 32,
+              "diffusion.shift_rule": "opensora2", "diffusion.sigma_min": 1e-5, "diffusion.prediction": "velocity",
+              "diffusion.loss_space": "velocity"},
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_dmd2_distils_every_flow_matching_family(toy_dir, tmp_path, family):
+    """Wan (its negative-prompt branch) and Open-Sora 2.0's MMDiT, as STDiT above: both roles move."""
+    teacher = random_model_folder(tiny_overrides(toy_dir, **FAMILIES[family]), tmp_path / "teacher")
+    run = tmp_path / "run"
+    Trainer(load_config("tiny", dmd2_overrides(toy_dir, teacher, **FAMILIES[family], **{
+        "distill.generator_every": 1, "train.max_steps": 1})), run).fit()
+    start, ckpt = weights(teacher), run / "checkpoints" / "step-0000001"
+    assert not same(start, weights(ckpt)) and not same(start, weights(ckpt, "critic"))
+
+
 @pytest.mark.parametrize("extra, words", [
     ({"distill.teacher": "null"}, "set distill.teacher"),
     ({"parallel.pp": 2}, "set parallel.pp=1"),
     ({"lora.rank": 4}, "set lora.rank=0"),
     ({"distill.score_t_range": "[0.9,0.1]"}, "low < high"),
+    ({"model.preset": "ltx2-tiny"}, "LTX-2's objective"),
 ])
 def test_what_dmd2_refuses_is_named_in_one_line(toy_dir, dmd2_teacher, tmp_path, capsys, extra, words):
     run = tmp_path / "run"

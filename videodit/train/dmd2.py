@@ -26,9 +26,11 @@ import torch
 
 from videodit.components import build_model
 from videodit.config import Config
+from videodit.diffusion.objectives import objective_name
 from videodit.distill.dmd import dmd_gradient, generator_loss, guided, score_timesteps
 from videodit.distill.schedule import StudentSchedule
 from videodit.errors import UserError
+from videodit.models.families import get_spec
 from videodit.models.spec import Conditions
 from videodit.parallel.gradients import gradient_sync
 from videodit.parallel.parallelize import parallelize
@@ -58,6 +60,9 @@ def check_distillation(cfg: Config) -> None:
     if cfg.model.expert == "both" or cfg.diffusion.mask_ratios is not None or cfg.memory.swap_blocks:
         raise UserError("distill.method=dmd2 does not take model.expert=both, diffusion.mask_ratios or "
                         "memory.swap_blocks yet; distil one expert per run without frame masks or block swapping")
+    if objective_name(get_spec(cfg.model.family)) != "flow" or cfg.diffusion.condition_config is not None:
+        raise UserError("distill.method=dmd2 distils flow-matching text-to-video models (STDiT, Wan, Open-Sora 2.0 "
+                        "without diffusion.condition_config); LTX-2's objective and given frames are not wired yet")
     if d.score_t_range[0] >= d.score_t_range[1]:
         raise UserError(f"distill.score_t_range={d.score_t_range} must be [low, high] with low < high")
 
