@@ -5,7 +5,8 @@ The model (derived in ``docs/memory.md``, checked against :mod:`videodit.planner
 * **Model state** from the exact parameter count (the model is built on the meta device):
   fp32 weights, fp32 gradients, AdamW's two fp32 moments and the fp32 EMA, each divided by
   the ranks that share it: pipeline stages and tensor-parallel ranks split the blocks,
-  FSDP shards everything over ``dp_shard x sp`` ranks.
+  FSDP shards everything over ``dp_shard x sp`` ranks. DDP's reducer keeps its own fp32 copy of
+  the gradients (its buckets) beside ``.grad``: one more gradient's worth.
 * **Activations**: what every transformer block keeps for backward, per token, from a
   table of the tensors autograd saves, which the model family gives
   (``ModelSpec.activation_profile``), plus the embedding, final layer and loss (its table too). Sequence parallelism divides the tokens, tensor parallelism the heads
@@ -48,6 +49,7 @@ class Parallel:
     in_flight: int = 1       # micro-batches whose activations the first stage holds at once
     cpu_offload: bool = False
     reshard: bool = True     # FSDP frees gathered weights after forward (False: ZeRO-2-like)
+    ddp: bool = False        # DDP replicates: its reducer holds a second fp32 copy of the gradients
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,8 @@ class Shape:
 
 @dataclass
 class Estimate:
-    """Bytes per GPU by category; ``peak`` is their sum."""
+    """Bytes per GPU by category; ``peak`` is their sum. A DMD2 run (``planner/distill.py``) adds
+    its critic's and teacher's terms; ``lines`` names every term."""
     params: int
     grads: int
     optimizer: int
@@ -149,16 +152,53 @@ class Estimate:
     temporaries: int
     encoders: int
     detail: dict = field(default_factory=dict)
+    ddp_buckets: int = 0         # DDP's gradient buckets (the reducer's flat fp32 copy of the gradients)
+    critic_params: int = 0       # DMD2: the critic's fp32 weights
+    critic_grads: int = 0        # ... its gradients beyond the student's (they never coexist: 0)
+    critic_optimizer: int = 0    # ... its AdamW state
+    critic_ddp_buckets: int = 0  # ... its DDP gradient buckets
+    teacher: int = 0             # DMD2: the frozen teacher's weights
+    passes: int = 0              # DMD2: the teacher's and critic's passes beyond the student's graded one
+
+    ROLE_FIELDS = ("ddp_buckets", "critic_params", "critic_grads", "critic_optimizer", "critic_ddp_buckets",
+                   "teacher", "passes")
 
     @property
     def peak(self) -> int:
         return (self.params + self.grads + self.optimizer + self.ema + self.activations + self.temporaries
-                + self.encoders)
+                + self.encoders + sum(getattr(self, name) for name in self.ROLE_FIELDS))
+
+    @property
+    def distilled(self) -> bool:
+        return bool(self.detail.get("distill"))
+
+    def lines(self) -> list[tuple[str, int]]:
+        """Every term of ``peak``, named (a DMD2 run's by role); they add up to ``peak``."""
+        student = "student " if self.distilled else ""
+        rows = [(f"{student}weights", self.params), (f"{student}grads", self.grads),
+                (f"{student}optimizer", self.optimizer), (f"{student}EMA", self.ema)]
+        if self.ddp_buckets or self.critic_ddp_buckets:
+            rows.append((f"{student}DDP gradient buckets", self.ddp_buckets))
+        if self.distilled:
+            rows += [("critic weights", self.critic_params),
+                     ("critic grads (made after the student's are freed: counted there)", self.critic_grads),
+                     ("critic optimizer", self.critic_optimizer)]
+            if self.ddp_buckets or self.critic_ddp_buckets:
+                rows.append(("critic DDP gradient buckets", self.critic_ddp_buckets))
+            rows.append(("teacher weights (frozen)", self.teacher))
+        rows += [("activations" + (" (the graded pass: student's or critic's)" if self.distilled else ""),
+                  self.activations), ("transients" + (" (of the graded pass)" if self.distilled else ""),
+                                      self.temporaries)]
+        if self.distilled:
+            rows.append(("teacher and critic no-grad passes beyond those", self.passes))
+        rows.append(("frozen encoders", self.encoders))
+        return rows
 
     def as_dict(self) -> dict:
-        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "ema": self.ema,
-                "activations": self.activations, "temporaries": self.temporaries, "encoders": self.encoders,
-                "peak": self.peak}
+        out = {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "ema": self.ema,
+               "activations": self.activations, "temporaries": self.temporaries, "encoders": self.encoders}
+        out.update({name: getattr(self, name) for name in self.ROLE_FIELDS if getattr(self, name)})
+        return {**out, "peak": self.peak}
 
 
 # --------------------------------------------------------------------------- activations
@@ -333,6 +373,7 @@ def estimate(geometry, shape: Shape, *, parallel: Parallel = Parallel(),
     grads = int(trained * FP32 * on_gpu)
     optimizer = int(trained * optimizer_bytes_per_param(levers.optimizer) * on_gpu) * experts
     ema_bytes = grads * experts if ema else 0
+    ddp_buckets = grads * experts if parallel.ddp else 0   # every trained parameter's, both experts' too
 
     activations, detail = activation_bytes(geometry, shape, parallel, precision, memory, counts.depth_blocks, lora,
                                            counts.kinds)
@@ -361,14 +402,17 @@ def estimate(geometry, shape: Shape, *, parallel: Parallel = Parallel(),
         # autocast keeps a bf16 copy of every fp32 weight it used until backward is done (a
         # LoRA base is bf16 already: only the adapters are copied; train.fp8 casts its converted
         # weights straight to float8).
-        temporaries += (trained - converted * counts.depth_blocks / parallel.pp) * 2
+        copies = (trained - converted * counts.depth_blocks / parallel.pp) * 2
+        temporaries += copies
+        detail["autocast_copies"] = int(copies)
     if lever_counts is not None:
         temporaries += float8_operand_bytes(levers, lever_counts, detail["tokens_per_rank"])
     detail.update(num_params=counts.num_params * experts, params_per_gpu=int(n_local) * experts,
                   levers=levers.describe())
     if lora is not None:
         detail.update(adapter_params=lora.params * experts, adapter_params_per_gpu=int(adapters) * experts)
-    return Estimate(params, grads, optimizer, ema_bytes, activations, int(temporaries), encoder_bytes, detail)
+    return Estimate(params, grads, optimizer, ema_bytes, activations, int(temporaries), encoder_bytes, detail,
+                    ddp_buckets=ddp_buckets)
 
 
 # --------------------------------------------------------------------------- from a config
@@ -392,7 +436,8 @@ def parallel_from_config(cfg: Config, world_size: int | None = None) -> Parallel
     # GPipe runs every forward before any backward; 1F1B keeps at most pp micro-batches alive.
     in_flight = microbatches if p.pp_schedule == "gpipe" else min(p.pp, microbatches)
     return Parallel(sp=p.sp, tp=p.tp, pp=p.pp, shard=shard, microbatches=microbatches, in_flight=in_flight,
-                    cpu_offload=p.cpu_offload and shard > 1, reshard=p.reshard_after_forward)
+                    cpu_offload=p.cpu_offload and shard > 1, reshard=p.reshard_after_forward,
+                    ddp=dims.data_parallel == "ddp")
 
 
 def precision_from_config(cfg: Config, device: str = "cuda") -> Precision:

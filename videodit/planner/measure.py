@@ -129,3 +129,50 @@ def measure_trainer(trainer, batch: Batch) -> StepMemory:
     """One step of a freshly built Trainer (its model, parallelism, levers and optimizer)."""
     return measure_step(trainer.model, lambda: trainer.loss(batch), trainer.optimizer)
 
+
+
+@dataclass
+class DistillMemory:
+    """A DMD2 step: the bytes each role holds before it (``roles``, read off the tensors) and the
+    peak of what the step itself allocates (``step_peak``, :class:`LiveMemory`: gradients,
+    activations, transients; the student's gradients are freed before the critic's are made)."""
+    roles: dict[str, int]
+    step_peak: int
+    activations: int    # held when the student's graded forward and its scoring end (before its backward)
+
+    @property
+    def peak(self) -> int:
+        return sum(self.roles.values()) + self.step_peak
+
+
+def measure_distill_step(trainer, batch: Batch, warm_steps: int = 1) -> DistillMemory:
+    """One DMD2 step of a freshly built Trainer (``trainer.distill``) on ``batch``, after
+    ``warm_steps`` unmeasured ones (the optimizers' state then exists: the steady state). The
+    trainer's step counter stays where it is: at 0 every step is one of the student's turns."""
+    dmd = trainer.distill
+    for _ in range(warm_steps):
+        dmd.train_step([batch])
+    ema = [] if trainer.ema is None else list(trainer.ema.shadow.values())
+    roles = {"student weights": tensor_bytes(trainer.model.parameters()),
+             "student optimizer": optimizer_bytes(trainer.optimizer), "student EMA": tensor_bytes(ema),
+             "critic weights": tensor_bytes(dmd.critic.local_model.parameters()),
+             "critic optimizer": optimizer_bytes(dmd.critic_optimizer),
+             "teacher weights": tensor_bytes(dmd.teacher.parameters()),
+             "frozen encoders": 0 if trainer.text is None else
+             tensor_bytes([*trainer.text.parameters(), *trainer.text.buffers()])}
+    held = {}
+    original = dmd._dmd_gradient
+
+    def scoring(*args, **kwargs):   # the student's graded activations, while teacher and critic score
+        gc.collect()
+        held["activations"] = tracker.live
+        return original(*args, **kwargs)
+
+    gc.collect()
+    dmd._dmd_gradient = scoring
+    try:
+        with torch.compiler.set_stance("force_eager"), LiveMemory() as tracker:
+            dmd.train_step([batch])
+    finally:
+        del dmd._dmd_gradient
+    return DistillMemory(roles, tracker.peak, held.get("activations", 0))

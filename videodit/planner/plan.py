@@ -20,6 +20,7 @@ from videodit.config import Config, MemoryConfig
 from videodit.data.buckets.assign import build_buckets
 from videodit.data.buckets.config import resolve_bucket_config
 from videodit.errors import UserError
+from videodit.planner.distill import Distill, check_distill_layout, distill_from_config, dmd2_estimate
 from videodit.planner.levers import Levers, count_levers, levers_from_config
 from videodit.planner.estimate import (Estimate, Lora, Parallel, Precision, Shape, count_lora, count_model,
                                       estimate, parallel_from_config, precision_from_config)
@@ -160,6 +161,7 @@ class Planner:
     levers: Levers = Levers()   # fp8 base, 8-bit moments, block swapping, fp8 compute (planner/levers.py)
     world_size: int = 1         # GPUs of the job (the layout ``parallel`` is of)
     config: Any = None          # the Config planned (the advice's settings refer to it), if any
+    distill: Distill | None = None   # distill.method=dmd2: critic and teacher beside the student (planner/distill.py)
 
     def __post_init__(self):
         with torch.device("meta"):    # structure only: no memory, no initialisation cost
@@ -180,10 +182,18 @@ class Planner:
         memory = dataclasses.replace(self.memory, **changes.pop("memory", {}))
         parallel = dataclasses.replace(self.parallel, **changes.pop("parallel", {}))
         levers = dataclasses.replace(self.levers, **changes.pop("levers", {}))
-        return estimate(self.geometry, self.shape(batch, num_frames, height, width), parallel=parallel,
-                        precision=Precision(self.bf16), memory=memory, ema=self.ema,
-                        encoder_bytes=self.encoder_bytes, counts=self.counts, lora=self.lora, experts=self.experts,
-                        levers=levers, lever_counts=self.lever_counts)
+
+        def plain(levers: Levers) -> Estimate:
+            return estimate(self.geometry, self.shape(batch, num_frames, height, width), parallel=parallel,
+                            precision=Precision(self.bf16), memory=memory, ema=self.ema,
+                            encoder_bytes=self.encoder_bytes, counts=self.counts, lora=self.lora,
+                            experts=self.experts, levers=levers, lever_counts=self.lever_counts)
+        student = plain(levers)
+        if self.distill is None:
+            return student
+        # The critic is not converted by train.fp8: its graded pass is the plain one without it.
+        critic = plain(dataclasses.replace(levers, fp8_compute=False)) if levers.fp8_compute else student
+        return dmd2_estimate(student, critic, self.counts.num_params, Precision(self.bf16).low_bytes)
 
     def max_batch(self, num_frames: int, height: int, width: int, **changes) -> int:
         """The largest batch (a multiple of ``batch_multiple``) under the budget; 0 if none."""
@@ -374,13 +384,15 @@ def planner_from_config(cfg: Config, gpu_bytes: int, *, world_size: int | None =
 
     world_size = world_size or default_world_size(cfg)
     parallel = parallel_from_config(cfg, world_size)
+    check_distill_layout(cfg, parallel, world_size)   # DMD2's roles are full replicas: as training refuses
     p = cfg.parallel
     multiple = (p.pp_microbatches or p.pp) if p.pp > 1 else 1
     return Planner(geometry, parallel, precision_from_config(cfg).bf16, cfg.memory, latent, length, gpu_bytes,
                    margin, ema=cfg.train.ema_decay > 0, batch_multiple=multiple,
                    encoder_bytes=frozen_encoder_bytes(cfg) if encoder_bytes is None else encoder_bytes,
                    lora=count_lora(cfg.lora, geometry), experts=2 if cfg.model.expert == "both" else 1,
-                   levers=levers_from_config(cfg), world_size=world_size, config=cfg)
+                   levers=levers_from_config(cfg), world_size=world_size, config=cfg,
+                   distill=distill_from_config(cfg))
 
 
 def _cached_geometry(cfg: Config, latent: LatentGeometry | None,

@@ -40,9 +40,14 @@ def gib(n: float) -> str:
 
 def plan_table(planner: Planner, plans: list[BucketFit]) -> str:
     """The human table: one row per (resolution, num_frames), sizes in GiB at the chosen batch;
-    TFLOP/sample is the model FLOPs of one sample's forward + backward."""
+    TFLOP/sample is the model FLOPs of one sample's forward + backward. Under DDP a ``ddp`` column
+    (the reducer's gradient buckets); a DMD2 run adds ``critic`` and ``teacher`` columns, and below
+    the table each of its roles on its own line (``roles_text``)."""
+    ddp = any(p.estimate.ddp_buckets for p in plans)
+    distilled = planner.distill is not None
+    extra = (f"{'ddp':>6}" if ddp else "") + (f"{'critic':>8}{'teacher':>8}" if distilled else "")
     head = (f"{'resolution':<11}{'frames':>7}{'tokens':>8}{'TFLOP/sample':>13}{'config bs':>10}{'max bs':>8}"
-            f"{'plan bs':>8}{'params':>8}{'grads':>7}{'optim':>7}{'ema':>6}{'activ':>8}{'temp':>7}{'enc':>6}"
+            f"{'plan bs':>8}{'params':>8}{'grads':>7}{'optim':>7}{'ema':>6}{extra}{'activ':>8}{'temp':>7}{'enc':>6}"
             f"{'peak GiB':>10}  note")
     lines = [head, "-" * len(head)]
     for p in plans:
@@ -54,12 +59,29 @@ def plan_table(planner: Planner, plans: list[BucketFit]) -> str:
         elif p.config_batch_size and p.config_batch_size > p.max_batch_size:
             needed = planner.estimate(p.config_batch_size, p.num_frames, p.height, p.width).peak
             note = f"config batch {p.config_batch_size} would need {gib(needed)} GiB"
+        critic = e.critic_params + e.critic_grads + e.critic_optimizer + e.critic_ddp_buckets
         lines.append(f"{p.resolution:<11}{p.num_frames:>7}{p.tokens:>8}{p.flops.model / 1e12:>13.3g}"
                      f"{p.config_batch_size or '-':>10}{p.max_batch_size:>8}{p.batch_size:>8}"
                      f"{gib(e.params):>8}{gib(e.grads):>7}"
-                     f"{gib(e.optimizer):>7}{gib(e.ema):>6}{gib(e.activations):>8}{gib(e.temporaries):>7}"
+                     f"{gib(e.optimizer):>7}{gib(e.ema):>6}{f'{gib(e.ddp_buckets):>6}' if ddp else ''}"
+                     f"{f'{gib(critic):>8}{gib(e.teacher):>8}' if distilled else ''}"
+                     f"{gib(e.activations):>8}{gib(e.temporaries + e.passes):>7}"
                      f"{gib(e.encoders):>6}{gib(e.peak):>10}  {note}")
+    if distilled and plans:
+        lines.append(roles_text(max(plans, key=lambda p: p.estimate.peak)))
     return "\n".join(lines)
+
+
+def roles_text(plan: BucketFit) -> str:
+    """Each term of a bucket's estimate on its own line, in GiB (a DMD2 run's by role); their sum
+    is the peak."""
+    e = plan.estimate
+    rows = e.lines()
+    width = max(len(label) for label, _ in rows)
+    out = [f"by role, {plan.resolution} x {plan.num_frames} at batch {max(plan.batch_size, 1)} (GiB):"]
+    out += [f"  {label:<{width}}{gib(value):>8}" for label, value in rows]
+    out.append(f"  {'peak (the sum)':<{width}}{gib(e.peak):>8}")
+    return "\n".join(out)
 
 
 def _gpus(n: int) -> str:
@@ -88,6 +110,10 @@ def advice_text(planner: Planner, advice: Advice, commands: Callable[[Fix], list
                                                                     ", without moving weights or activations to "
                                                                     "the host") + ":")
         lines += [f"  {line}" for line in commands(advice.more)]
+    elif advice.fix is None and planner.distill is not None:
+        lines.append("Nor on more GPUs: DMD2 holds student, critic and teacher whole on every GPU (one process or "
+                     "DDP; FSDP, TP and SP are not wired into its roles yet), so more GPUs do not lower the memory "
+                     "per GPU: use GPUs with more memory, shorter clips or a lower resolution.")
     elif advice.fix is None:
         lines.append(f"Nor on up to {MAX_SUGGESTED_WORLD} GPUs: use GPUs with more memory, shorter clips or a "
                      "lower resolution.")
@@ -98,6 +124,7 @@ def plan_summary(planner: Planner, gpu_bytes: int) -> str:
     p, m = planner.parallel, planner.memory
     hidden = spec_of(planner.geometry).activation_dims(planner.geometry).hidden_size
     experts = (f" x {planner.experts} experts (both held, one trained per step)" if planner.experts > 1 else "")
+    experts += f" | {planner.distill.describe()}" if planner.distill is not None else ""
     return (f"model: {planner.counts.num_params:,} parameters, {planner.counts.depth_blocks} blocks, hidden "
             f"{hidden}{experts}{_lora_summary(planner)} | "
             f"per GPU: sp={p.sp} tp={p.tp} pp={p.pp} fsdp shard={p.shard} | "
@@ -126,7 +153,10 @@ def plan_json(planner: Planner, plans: list[BucketFit], gpu_bytes: int, advice: 
         model.update(lora_rank=planner.lora.rank, adapter_params=planner.lora.params * planner.experts)
     if first:
         model.update({f"{k}_bytes": v for k, v in first.as_dict().items()
-                      if k in ("params", "grads", "optimizer", "ema", "encoders")})
+                      if k in ("params", "grads", "optimizer", "ema", "encoders", "ddp_buckets", "critic_params",
+                               "critic_grads", "critic_optimizer", "critic_ddp_buckets", "teacher")})
+    if planner.distill is not None:
+        model["distill"] = planner.distill.method
     advised = None
     if advice is not None:
         advised = advice.as_dict()

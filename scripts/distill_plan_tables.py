@@ -1,0 +1,94 @@
+"""Print docs/memory.md's DMD2 tables (predictions of `videodit plan`): Wan 2.1 T2V 1.3B and 14B
+distilled with DMD2 at 480p (832x480) x 81 frames, bf16, on 24/48/80 GiB GPUs, 1 GPU and 8 (DDP).
+
+    python scripts/distill_plan_tables.py
+
+Every row is the recipe ``wan2.1-t2v-1.3b-finetune`` (480p x 81, bf16, memory.checkpointing=full,
+EMA off; its model.init_from is the teacher) with ``distill.method=dmd2`` and the row's levers that
+DMD2 takes: checkpointing (the recipe's), 8-bit AdamW (student and critic), activation offload.
+FSDP, TP and SP are refused by DMD2 (its roles are full replicas), so 8 GPUs is DDP
+(``parallel.dp_shard=1 parallel.dp_replicate=8``). Features cached (``--encoders-cached``; umT5-XXL on the GPU would add
+~10.6 GiB). Each cell: the largest batch per GPU, or 0 and the batch-1 peak. Offline: nothing is
+loaded but the config. Under each model: the state alone and, for what does not fit, the fewest
+GPUs its state would need if its roles were sharded (not wired into DMD2 yet).
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from videodit.config import load_config
+from videodit.planner.plan import planner_from_config
+
+GIB = 2**30
+RECIPE = "wan2.1-t2v-1.3b-finetune"
+SHAPE = (81, 480, 832)                       # frames, height, width
+GPU_SIZES = (24, 48, 80)
+MODELS = {"Wan 2.1 T2V 1.3B": ["distill.method=dmd2"],
+          "Wan 2.1 T2V 14B": ["model.preset=wan2.1-t2v-14b", "distill.method=dmd2"]}
+LEVERS = [("AdamW (recipe)", []), ("8-bit AdamW", ["train.optimizer=adamw8bit"]),
+          ("8-bit AdamW + offload", ["train.optimizer=adamw8bit", "memory.offload=true"])]
+LAYOUTS = [(1, []), (8, ["parallel.dp_shard=1", "parallel.dp_replicate=8"])]
+
+
+def command(overrides: list[str], gpus: int) -> str:
+    """The row's command; the cells are its --gpu-mem 24GiB, 48GiB and 80GiB."""
+    return shlex.join(["videodit", "plan", RECIPE, *overrides, "--gpu-mem", "24GiB", "--encoders-cached"]
+                      + (["--world-size", str(gpus)] if gpus > 1 else []))
+
+
+def state_bytes(e) -> int:
+    """Student, critic and teacher state: everything but the graded pass and the encoders."""
+    return e.peak - e.activations - e.temporaries - e.passes - e.encoders
+
+
+def sharded_need(model: list[str], size: int) -> tuple[int, int] | None:
+    """The fewest GPUs over which DMD2 would fit at batch 1 if its roles were sharded as a plain
+    run's are (FSDP2 over every GPU, 8-bit AdamW, offload): the plain run's estimate on that layout plus the
+    critic's weights and moments and the teacher's weights divided among the GPUs; None above 64."""
+    plain = [o for o in model if not o.startswith("distill.")] + ["train.optimizer=adamw8bit", "memory.offload=true"]
+    for gpus in (2, 4, 8, 16, 32, 64):
+        planner = planner_from_config(load_config(RECIPE, plain), size * GIB, world_size=gpus, encoder_bytes=0)
+        e = planner.estimate(1, *SHAPE)
+        roles = (planner.counts.num_params * 4 * 2 + e.optimizer * gpus) / gpus   # critic + teacher weights, moments
+        if e.peak + roles <= planner.budget:
+            return gpus, int(e.peak + roles)
+    return None
+
+
+def main() -> None:
+    for name, model in MODELS.items():
+        print(f"\n**{name}, DMD2, 480p x 81, bf16, full checkpointing**\n")
+        print("| levers | GPUs | batch-1 peak GiB | max batch 24 GiB | 48 GiB | 80 GiB |")
+        print("|---|---|---:|---:|---:|---:|")
+        commands, smallest = [], None
+        for label, levers in LEVERS:
+            for gpus, layout in LAYOUTS:
+                overrides = model + levers + layout
+                cfg = load_config(RECIPE, overrides)
+                cells, peak = [], None
+                for size in GPU_SIZES:
+                    planner = planner_from_config(cfg, size * GIB, world_size=gpus, encoder_bytes=0)
+                    e = planner.estimate(1, *SHAPE)
+                    peak = e.peak / GIB
+                    cells.append(str(planner.max_batch(*SHAPE)))
+                    if smallest is None or e.peak < smallest.peak:
+                        smallest = e
+                print(f"| {label} | {gpus} | {peak:.1f} | " + " | ".join(cells) + " |")
+                commands.append(command(overrides, gpus))
+        e = smallest
+        print(f"\nleast batch-1 peak: {e.peak / GIB:.1f} GiB, of which state (student, critic, teacher) "
+              f"{state_bytes(e) / GIB:.1f} GiB, graded pass {(e.activations + e.temporaries + e.passes) / GIB:.1f} GiB")
+        for size in GPU_SIZES:
+            if e.peak > size * GIB * 0.9:
+                need = sharded_need(model, size)
+                sharded = "nor with its roles sharded over 64 GPUs" if need is None else (
+                    f"with its three roles FSDP-sharded (not wired into DMD2 yet) it would need {need[0]} GPUs "
+                    f"(batch-1 peak {need[1] / GIB:.1f} GiB, 8-bit AdamW + offload)")
+                print(f"  {size} GiB: does not fit on one GPU or under DDP; {sharded}")
+        print("\nthe rows' commands (the cells: --gpu-mem 24GiB, 48GiB, 80GiB):")
+        print("\n".join(f"    {c}" for c in commands))
+
+
+if __name__ == "__main__":
+    main()

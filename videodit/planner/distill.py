@@ -1,0 +1,103 @@
+"""A DMD2 run's memory by role (``distill.method=dmd2``, ``train/dmd2.py``), on top of the plain
+estimate of its student (``estimate.py``).
+
+A DMD2 run holds three whole models on every GPU (DMD2 runs on one process or under DDP only:
+no FSDP, TP, SP or pipeline, so nothing is divided among GPUs; 8 GPUs hold what 1 does plus
+DDP's gradient buckets, 4 bytes per parameter for each trained role):
+
+* the **student**, the run's own model: fp32 weights, gradients, AdamW state, EMA (when
+  ``train.ema_decay > 0``) and, under DDP, its reducer's gradient buckets: the plain estimate's terms;
+* the **critic**, a trained copy of the teacher: fp32 weights, AdamW state (``train.optimizer``'s
+  kind) and DDP buckets; no EMA. Its gradients are made after the student's are freed (the
+  student's optimizer steps and zeroes them, ``set_to_none``, before the critic's forward), so one
+  set of gradients is alive at a time: the critic's gradient term is 0, the student's counts it;
+* the frozen **teacher**: weights only, in the run's storage dtype (a deep copy of the model
+  before any parallelism: fp32, also under bf16 autocast).
+
+Activations: one graded pass at a time. On the student's turns its graded forward keeps its
+activations while the teacher (cond and uncond) and the critic score the sample without
+gradients; then its backward. The critic's graded forward + backward (every step) is a plain
+training step of the same model on the same shapes. So activations and the backward's transients
+are the plain step's; what the no-grad passes need on top is the ``passes`` term: their working
+set (half a plain block, the planner's measure of one block's transient) and, under bf16, the
+critic's autocast cache (autocast caches the bf16 copy of every leaf weight that requires grad,
+with or without grad mode) beside the student's copies saved for backward, less what the
+graded pass's gradients and transients occupy later (they do not exist yet). It is 0 but for
+corner cases (``train.fp8``: the critic is not converted, so its graded pass keeps more).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from videodit.errors import UserError
+from videodit.planner.estimate import Estimate
+
+# train/dmd2.py's FULL_REPLICAS, in the planner's words (the planner imports no runtime code).
+REFUSED_LAYOUT = ("distill.method=dmd2 runs on one process or under DDP for now (parallel.dp_shard=1, tp=1, sp=1, "
+                  "pp=1); FSDP2, TP, SP and pipelines are not wired into its roles yet")
+
+
+@dataclass(frozen=True)
+class Distill:
+    """What the planner needs of ``cfg.distill``."""
+    method: str = "dmd2"
+    teacher_cfg: float = 4.0      # != 1: the teacher also runs unconditioned (time, not memory)
+    generator_every: int = 5
+
+    def describe(self) -> str:
+        return (f"DMD2: student + critic trained, teacher frozen (3 models per GPU); teacher cfg "
+                f"{self.teacher_cfg:g}, student every {self.generator_every} step(s)")
+
+
+def distill_from_config(cfg) -> Distill | None:
+    d = cfg.distill
+    if d.method is None:
+        return None
+    return Distill(d.method, d.teacher_cfg, d.generator_every)
+
+
+def check_distill_layout(cfg, parallel, world_size: int) -> None:
+    """The layouts DMD2 refuses (``train/dmd2.py``), refused here in one line too: every role
+    is a full replica on every GPU."""
+    p = cfg.parallel
+    if cfg.distill.method is None:
+        return
+    if p.pp > 1 or p.tp > 1 or p.sp > 1 or parallel.shard > 1 or p.dp_shard > 1:
+        more = (f" (on {world_size} GPUs parallel.dp_shard=-1 shards over them: for DDP set parallel.dp_shard=1 "
+                f"parallel.dp_replicate={world_size})") if p.dp_shard == -1 and parallel.shard > 1 else ""
+        raise UserError(REFUSED_LAYOUT + more)
+    if cfg.lora.rank:
+        raise UserError("distill.method=dmd2 trains full-weight student and critic for now; set lora.rank=0")
+    if cfg.model.expert == "both" or cfg.diffusion.mask_ratios is not None or cfg.memory.swap_blocks:
+        raise UserError("distill.method=dmd2 does not take model.expert=both, diffusion.mask_ratios or "
+                        "memory.swap_blocks yet; distil one expert per run without frame masks or block swapping")
+
+
+def dmd2_estimate(student: Estimate, critic_pass: Estimate, num_params: int, precision_low_bytes: int) -> Estimate:
+    """The DMD2 step's bytes per GPU: ``student``, the plain estimate of the run's model (its
+    state, the graded pass's activations and transients); ``critic_pass``, the same step as the
+    critic runs it (no train.fp8 conversion: otherwise equal to ``student``); ``num_params``: the
+    model's parameters (whole on every GPU)."""
+    critic_params = num_params * 4
+    teacher = num_params * 4            # the storage dtype: fp32 (train/dmd2.py copies the model)
+    critic_cache = num_params * precision_low_bytes if precision_low_bytes < 4 else 0   # bf16 autocast cache
+    block = student.detail["per_block_plain"]
+    graded = student.grads + student.activations + student.temporaries   # the student's graded pass, at its worst
+    # The teacher's and critic's no-grad forwards, while the student's activations (and its bf16
+    # weight copies, within its transients) are held, before its gradients exist.
+    student_copies = student.detail.get("autocast_copies", 0)
+    scoring = student.activations + student_copies + critic_cache + 0.5 * block
+    critic = critic_pass.grads + critic_pass.activations + critic_pass.temporaries
+    passes = int(max(0, scoring - graded, critic - graded))
+    detail = {**student.detail, "distill": "dmd2", "num_params_held": 3 * num_params}
+    return dataclasses.replace(student, detail=detail, critic_params=critic_params, critic_grads=0,
+                               critic_optimizer=student.optimizer, critic_ddp_buckets=student.ddp_buckets,
+                               teacher=teacher, passes=passes)
+
+
+def role_terms(e: Estimate) -> int:
+    """The critic's and teacher's terms: what a DMD2 run adds to a plain run of its model."""
+    return e.critic_params + e.critic_grads + e.critic_optimizer + e.critic_ddp_buckets + e.teacher + e.passes
+
