@@ -112,3 +112,27 @@ def test_what_dmd2_refuses_is_named_in_one_line(toy_dir, dmd2_teacher, tmp_path,
     assert main(["train", "--out", str(run), *dmd2_overrides(toy_dir, dmd2_teacher, **extra)]) != 0
     assert words in capsys.readouterr().err
     assert not (run / "checkpoints").exists()
+
+
+def test_trajectory_distillation_regresses_the_guided_teachers_ode_endpoint(toy_dir, dmd2_teacher, tmp_path):
+    overrides = dmd2_overrides(toy_dir, dmd2_teacher, **{"distill.method": "trajectory", "distill.teacher_substeps": 3,
+                                                        "train.max_steps": 2})
+    trainer = Trainer(load_config("tiny", overrides), tmp_path / "run")
+    objective = trainer.distill
+    _, cond, generator = objective._conditions(next(trainer.batches()))
+    noise = torch.randn(4, 3, 4, 16, 16, generator=generator)
+    at_exit, end = objective.trajectory(noise, cond, 1)
+
+    def euler(x, levels):   # guided Euler by hand: 3 steps from sigma 1 to 5/6, 3 more on to 0
+        for s, s_next in zip(levels[:-1], levels[1:]):
+            t = torch.full((x.shape[0],), s)
+            x = x + (s_next - s) * (x - objective._teacher_x0(x, t, cond)) / s
+        return x
+
+    levels = torch.linspace(1.0, 5 / 6, 4).tolist() + torch.linspace(5 / 6, 0.0, 4).tolist()[1:]
+    with torch.no_grad():
+        assert torch.allclose(at_exit, euler(noise, levels[:4]), atol=1e-6)
+        assert torch.allclose(end, euler(noise, levels), atol=1e-6)
+    trainer.fit()   # two steps: the student moves off the teacher, its regression loss is logged
+    assert not same(weights(dmd2_teacher), weights(tmp_path / "run" / "checkpoints" / "step-0000002"))
+    assert "trajectory_loss" in (tmp_path / "run" / "metrics.jsonl").read_text()

@@ -408,7 +408,8 @@ class LoraConfig:
 class DistillConfig:
     method: Optional[str] = opt(None, "few-step distillation (docs/distillation.md): dmd2 (DMD2: the trained model is "
                                 "the student, a critic learns its samples' score, the frozen teacher gives the real "
-                                "one); null: ordinary flow-matching training", choices=("dmd2",))
+                                "one) or trajectory (the student regresses the guided teacher's ODE endpoint at its "
+                                "steps); null: ordinary flow-matching training", choices=("dmd2", "trajectory"))
     teacher: Optional[str] = opt(None, "the model to distil (a checkpoint or exported folder, as model.init_from); "
                                  "student and critic start from it (default: model.init_from)")
     steps: list[int] = opt([1000, 750, 500, 250], "the student's timesteps on the 1000-grid, from noise down, each "
@@ -416,6 +417,8 @@ class DistillConfig:
                            min=1, max=1000)
     shift: float = opt(5.0, "the warp of distill.steps, t -> shift*t / (1 + (shift-1)*t) (Wan's students: 5)",
                        above=0.0)
+    teacher_substeps: int = opt(8, "trajectory: the teacher's guided Euler steps between successive student steps "
+                                "(4 student steps x 8 = a 32-step teacher trajectory)", min=1, max=1000)
     renoise: bool = opt(True, "the student's sampler starts each step from its x0 with fresh noise (LCM-style, as "
                         "trained); false: Euler steps along the ODE")
     teacher_cfg: float = opt(4.0, "the teacher's guidance in the Ho-Salimans form, uncond + w (cond - uncond); "

@@ -47,6 +47,8 @@ class Distill:
     generator_every: int = 5
 
     def describe(self) -> str:
+        if self.method == "trajectory":
+            return f"trajectory distillation: student trained, teacher frozen (2 models per GPU); teacher cfg {self.teacher_cfg:g}"
         return (f"DMD2: student + critic trained, teacher frozen (3 models per GPU); teacher cfg "
                 f"{self.teacher_cfg:g}, student every {self.generator_every} step(s)")
 
@@ -75,11 +77,16 @@ def check_distill_layout(cfg, parallel, world_size: int) -> None:
                         "memory.swap_blocks yet; distil one expert per run without frame masks or block swapping")
 
 
-def dmd2_estimate(student: Estimate, critic_pass: Estimate, num_params: int, precision_low_bytes: int) -> Estimate:
+def dmd2_estimate(student: Estimate, critic_pass: Estimate, num_params: int, precision_low_bytes: int,
+                  with_critic: bool = True) -> Estimate:
     """The DMD2 step's bytes per GPU: ``student``, the plain estimate of the run's model (its
     state, the graded pass's activations and transients); ``critic_pass``, the same step as the
     critic runs it (no train.fp8 conversion: otherwise equal to ``student``); ``num_params``: the
-    model's parameters (whole on every GPU)."""
+    model's parameters (whole on every GPU). ``with_critic`` False: trajectory distillation
+    (``train/trajectory.py``), the student and the frozen teacher only."""
+    if not with_critic:
+        detail = {**student.detail, "distill": "trajectory", "num_params_held": 2 * num_params}
+        return dataclasses.replace(student, detail=detail, teacher=num_params * 4)
     critic_params = num_params * 4
     teacher = num_params * 4            # the storage dtype: fp32 (train/dmd2.py copies the model)
     critic_cache = num_params * precision_low_bytes if precision_low_bytes < 4 else 0   # bf16 autocast cache

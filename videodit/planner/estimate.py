@@ -179,17 +179,19 @@ class Estimate:
                 (f"{student}optimizer", self.optimizer), (f"{student}EMA", self.ema)]
         if self.ddp_buckets or self.critic_ddp_buckets:
             rows.append((f"{student}DDP gradient buckets", self.ddp_buckets))
-        if self.distilled:
+        critic = self.detail.get("distill") == "dmd2"   # trajectory distillation has none
+        if critic:
             rows += [("critic weights", self.critic_params),
                      ("critic grads (made after the student's are freed: counted there)", self.critic_grads),
                      ("critic optimizer", self.critic_optimizer)]
             if self.ddp_buckets or self.critic_ddp_buckets:
                 rows.append(("critic DDP gradient buckets", self.critic_ddp_buckets))
+        if self.distilled:
             rows.append(("teacher weights (frozen)", self.teacher))
-        rows += [("activations" + (" (the graded pass: student's or critic's)" if self.distilled else ""),
+        rows += [("activations" + (" (the graded pass: student's or critic's)" if critic else ""),
                   self.activations), ("transients" + (" (of the graded pass)" if self.distilled else ""),
                                       self.temporaries)]
-        if self.distilled:
+        if critic:
             rows.append(("teacher and critic no-grad passes beyond those", self.passes))
         rows.append(("frozen encoders", self.encoders))
         return rows

@@ -38,7 +38,7 @@ from videodit.sample import negative_condition
 from videodit.train.optimizer import build_optimizer, warmup_schedule
 from videodit.train.state import Role, init_weights_from
 
-FULL_REPLICAS = ("distill.method=dmd2 runs on one process or under DDP for now (parallel.dp_shard=1, tp=1, sp=1); "
+FULL_REPLICAS = ("distillation (distill.method) runs on one process or under DDP for now (parallel.dp_shard=1, tp=1, sp=1); "
                  "FSDP2, TP and SP are not wired into its roles yet")
 
 
@@ -48,20 +48,20 @@ def check_distillation(cfg: Config) -> None:
     if d.method is None:
         return
     if not (d.teacher or cfg.model.init_from):
-        raise UserError("distill.method=dmd2 distils a trained model: set distill.teacher (or model.init_from) to "
+        raise UserError(f"distill.method={d.method} distils a trained model: set distill.teacher (or model.init_from) to "
                         "its checkpoint or exported folder")
     if p.pp > 1:
-        raise UserError("distill.method=dmd2 runs several forwards of three models per step, which no pipeline "
+        raise UserError(f"distill.method={d.method} runs several forwards of three models per step, which no pipeline "
                         "schedule holds: set parallel.pp=1")
     if p.dp_shard > 1 or p.tp > 1 or p.sp > 1:
         raise UserError(FULL_REPLICAS)
     if cfg.lora.rank:
-        raise UserError("distill.method=dmd2 trains full-weight student and critic for now; set lora.rank=0")
+        raise UserError(f"distill.method={d.method} trains full-weight student and critic for now; set lora.rank=0")
     if cfg.model.expert == "both" or cfg.diffusion.mask_ratios is not None or cfg.memory.swap_blocks:
-        raise UserError("distill.method=dmd2 does not take model.expert=both, diffusion.mask_ratios or "
+        raise UserError(f"distill.method={d.method} does not take model.expert=both, diffusion.mask_ratios or "
                         "memory.swap_blocks yet; distil one expert per run without frame masks or block swapping")
     if objective_name(get_spec(cfg.model.family)) != "flow" or cfg.diffusion.condition_config is not None:
-        raise UserError("distill.method=dmd2 distils flow-matching text-to-video models (STDiT, Wan, Open-Sora 2.0 "
+        raise UserError(f"distill.method={d.method} distils flow-matching text-to-video models (STDiT, Wan, Open-Sora 2.0 "
                         "without diffusion.condition_config); LTX-2's objective and given frames are not wired yet")
     if d.score_t_range[0] >= d.score_t_range[1]:
         raise UserError(f"distill.score_t_range={d.score_t_range} must be [low, high] with low < high")
@@ -80,78 +80,52 @@ def distillation_teacher(cfg: Config, model: torch.nn.Module, vae, text) -> torc
     return teacher
 
 
-class DMD2:
-    """The roles and the step of a DMD2 run. ``trainer``: the run's Trainer, whose model is the
-    student; ``teacher``: the frozen model (the critic starts as a copy of it)."""
+class StudentObjective:
+    """What every distillation objective shares: the student (the trainer's model), its few-step
+    schedule, the frozen ``teacher`` (guided as ``distill.teacher_cfg`` says), the batch's
+    conditions and the step's seeded exit index. Subclasses add their roles and their step."""
 
     def __init__(self, trainer, teacher: torch.nn.Module):
-        cfg, tc = trainer.cfg, trainer.cfg.train
+        cfg = trainer.cfg
         if trainer.ctx.dims.data_parallel not in ("none", "ddp"):   # dp_shard=-1 shards over every rank
             raise UserError(FULL_REPLICAS)
         self.trainer, self.cfg, self.d = trainer, cfg, cfg.distill
         self.schedule = StudentSchedule.of(cfg)
         self.sigmas = self.schedule.sigmas.tolist()
         self.teacher = teacher.requires_grad_(False).eval().to(trainer.device)
-        self.critic = parallelize(copy.deepcopy(teacher).requires_grad_(True).train(), trainer.ctx, cfg.parallel,
-                                  memory=cfg.memory, loss_fn=trainer.flow.loss,
-                                  autocast_dtype=trainer.parallel.autocast_dtype)
-        critic_tc = dataclasses.replace(tc, lr=self.d.critic_lr if self.d.critic_lr is not None else tc.lr,
-                                        betas=list(self.d.critic_betas))
-        self.critic_optimizer = build_optimizer(self.critic.local_model, critic_tc, lora=False)
-        self.critic_scheduler = warmup_schedule(self.critic_optimizer, tc.warmup_steps)
         self.negative = None if trainer.text is None else negative_condition(trainer.text, cfg.sample.negative_prompt)
         self.spec = trainer.spec
         self.last: dict = {}
 
     def roles(self) -> dict[str, Role]:
-        """The trained roles besides the student, for ``TrainState``."""
-        return {"critic": Role(self.critic, self.critic_optimizer, self.critic_scheduler)}
+        """The trained roles besides the student, for ``TrainState`` (none here)."""
+        return {}
 
     def metrics(self) -> dict:
         return dict(self.last)
 
-    # ------------------------------------------------------------------ the step
-
-    def train_step(self, micro_batches) -> tuple[float, float]:
-        """One DMD2 step: the student on its turns, the critic always; returns (critic loss,
-        the student's gradient norm of its last turn), both global."""
+    def _step_student(self, loss: float) -> tuple[float, float]:
+        """Clip, step (unless not finite), schedule, EMA: the student's update after its backward;
+        returns (global loss, gradient norm)."""
         trainer, student = self.trainer, self.trainer.parallel
-        student.train()
-        self.critic.train()
-        generator_turn = trainer.step % self.d.generator_every == 0
-        exit_index = self._exit_index(trainer.step)
-        scale, last = 1.0 / len(micro_batches), len(micro_batches) - 1
-        samples, generator_total = [], 0.0
-        for i, batch in enumerate(micro_batches):
-            x0_data, cond, generator = self._conditions(batch)
-            with gradient_sync(student.module, enabled=i == last), torch.set_grad_enabled(generator_turn):
-                x0 = self._rollout(x0_data, cond, exit_index, generator)
-                if generator_turn:
-                    loss = generator_loss(x0, self._dmd_gradient(x0.detach(), cond, generator)) * scale
-                    loss.backward()
-                    generator_total += loss.item()
-            samples.append((x0.detach(), cond, generator))
-        grad_norm = self.last.get("student_grad_norm", 0.0)
-        if generator_turn:
-            grad_norm = student.clip_gradients(self.cfg.train.grad_clip)
-            generator_total = student.global_loss(generator_total)
-            if self._finite(generator_total, grad_norm):
-                trainer.optimizer.step()
-                trainer.scheduler.step()
-                if trainer.ema is not None:
-                    trainer.ema.update(trainer.model)
-            trainer.optimizer.zero_grad(set_to_none=True)
-            self.last.update(generator_loss=generator_total, student_grad_norm=grad_norm)
-        critic_total = sum(self.critic.forward_backward(*self._critic_inputs(*sample), scale=scale, sync=i == last)
-                           for i, sample in enumerate(samples))
-        critic_norm = self.critic.clip_gradients(self.cfg.train.grad_clip)
-        critic_total = self.critic.global_loss(critic_total)
-        if self._finite(critic_total, critic_norm):
-            self.critic_optimizer.step()
-            self.critic_scheduler.step()
-        self.critic_optimizer.zero_grad(set_to_none=True)
-        self.last.update(critic_loss=critic_total, critic_grad_norm=critic_norm)
-        return critic_total, grad_norm
+        grad_norm = student.clip_gradients(self.cfg.train.grad_clip)
+        loss = student.global_loss(loss)
+        if self._finite(loss, grad_norm):
+            trainer.optimizer.step()
+            trainer.scheduler.step()
+            if trainer.ema is not None:
+                trainer.ema.update(trainer.model)
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm
+
+    def _teacher_x0(self, x_t: torch.Tensor, t: torch.Tensor, cond: Conditions) -> torch.Tensor:
+        """The teacher's x0 at (x_t, t), guided (Ho-Salimans ``distill.teacher_cfg``)."""
+        autocast = self.trainer.parallel.autocast
+        real = self._x0(self.teacher, autocast, x_t, t, cond)
+        if self.d.teacher_cfg == 1:
+            return real
+        uncond = self._x0(self.teacher, autocast, x_t, t, self.spec.unconditional(cond, self.negative))
+        return guided(real, uncond, self.d.teacher_cfg)
 
     def _finite(self, loss: float, grad_norm: float) -> bool:
         if math.isfinite(loss) and math.isfinite(grad_norm):
@@ -183,6 +157,60 @@ class DMD2:
         v = self.trainer.flow.model_velocity(out.float(), x, sigma)
         return x - sigma.view(-1, *([1] * (x.dim() - 1))) * v
 
+class DMD2(StudentObjective):
+    """DMD2: the student, its critic (a second trained role) and the frozen teacher."""
+
+    def __init__(self, trainer, teacher: torch.nn.Module):
+        super().__init__(trainer, teacher)
+        cfg, tc = trainer.cfg, trainer.cfg.train
+        self.critic = parallelize(copy.deepcopy(self.teacher).requires_grad_(True).train(), trainer.ctx, cfg.parallel,
+                                  memory=cfg.memory, loss_fn=trainer.flow.loss,
+                                  autocast_dtype=trainer.parallel.autocast_dtype)
+        critic_tc = dataclasses.replace(tc, lr=self.d.critic_lr if self.d.critic_lr is not None else tc.lr,
+                                        betas=list(self.d.critic_betas))
+        self.critic_optimizer = build_optimizer(self.critic.local_model, critic_tc, lora=False)
+        self.critic_scheduler = warmup_schedule(self.critic_optimizer, tc.warmup_steps)
+
+    def roles(self) -> dict[str, Role]:
+        """The trained roles besides the student, for ``TrainState``."""
+        return {"critic": Role(self.critic, self.critic_optimizer, self.critic_scheduler)}
+
+    # ------------------------------------------------------------------ the step
+
+    def train_step(self, micro_batches) -> tuple[float, float]:
+        """One DMD2 step: the student on its turns, the critic always; returns (critic loss,
+        the student's gradient norm of its last turn), both global."""
+        trainer, student = self.trainer, self.trainer.parallel
+        student.train()
+        self.critic.train()
+        generator_turn = trainer.step % self.d.generator_every == 0
+        exit_index = self._exit_index(trainer.step)
+        scale, last = 1.0 / len(micro_batches), len(micro_batches) - 1
+        samples, generator_total = [], 0.0
+        for i, batch in enumerate(micro_batches):
+            x0_data, cond, generator = self._conditions(batch)
+            with gradient_sync(student.module, enabled=i == last), torch.set_grad_enabled(generator_turn):
+                x0 = self._rollout(x0_data, cond, exit_index, generator)
+                if generator_turn:
+                    loss = generator_loss(x0, self._dmd_gradient(x0.detach(), cond, generator)) * scale
+                    loss.backward()
+                    generator_total += loss.item()
+            samples.append((x0.detach(), cond, generator))
+        grad_norm = self.last.get("student_grad_norm", 0.0)
+        if generator_turn:
+            generator_total, grad_norm = self._step_student(generator_total)
+            self.last.update(generator_loss=generator_total, student_grad_norm=grad_norm)
+        critic_total = sum(self.critic.forward_backward(*self._critic_inputs(*sample), scale=scale, sync=i == last)
+                           for i, sample in enumerate(samples))
+        critic_norm = self.critic.clip_gradients(self.cfg.train.grad_clip)
+        critic_total = self.critic.global_loss(critic_total)
+        if self._finite(critic_total, critic_norm):
+            self.critic_optimizer.step()
+            self.critic_scheduler.step()
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        self.last.update(critic_loss=critic_total, critic_grad_norm=critic_norm)
+        return critic_total, grad_norm
+
     def _rollout(self, x0_data: torch.Tensor, cond: Conditions, exit_index: int,
                  generator: torch.Generator) -> torch.Tensor:
         """The student's x0 at its step ``exit_index``: from noise through its earlier steps without
@@ -213,13 +241,8 @@ class DMD2:
         device, d = self.trainer.device, self.d
         t = score_timesteps(x0.shape[0], tuple(d.score_t_range), d.shift, generator).to(device)
         x_t = self.trainer.flow.interpolate(x0, torch.randn(x0.shape, generator=generator).to(device), t)
-        autocast = self.trainer.parallel.autocast
-        real = self._x0(self.teacher, autocast, x_t, t, cond)
-        if d.teacher_cfg != 1:
-            uncond = self._x0(self.teacher, autocast, x_t, t, self.spec.unconditional(cond, self.negative))
-            real = guided(real, uncond, d.teacher_cfg)
         fake = self._x0(self.critic.module, self.critic.autocast, x_t, t, cond)
-        return dmd_gradient(x0, fake, real, d.normaliser)
+        return dmd_gradient(x0, fake, self._teacher_x0(x_t, t, cond), d.normaliser)
 
     def _critic_inputs(self, x0: torch.Tensor, cond: Conditions, generator: torch.Generator):
         """The critic's flow-matching step on the student's sample: (model inputs, velocity target)

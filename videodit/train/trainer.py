@@ -59,7 +59,7 @@ from videodit.parallel.parallelize import parallelize
 from videodit.sample import NonFiniteLatents, generate, guidance_of, takes_condition, write_clips
 from videodit.toy.make import ensure_toy_data
 from videodit.train.caption_dropout import EmptyCaptionDropout
-from videodit.train.dmd2 import DMD2, check_distillation, distillation_teacher
+from videodit.train.distillation import OBJECTIVES, check_distillation, distillation_teacher
 from videodit.train.ema import EMA
 from videodit.train.loggers import check_loggers
 from videodit.train.metrics import MetricsLogger, Throughput, peak_tflops, significant
@@ -179,7 +179,7 @@ class Trainer:
         precompute_scales_after_step(self.optimizer, self.model)   # train.fp8 under FSDP2: one all-reduce
         self.scheduler = warmup_schedule(self.optimizer, tc.warmup_steps)
         self.state = TrainState(self.parallel, self.optimizer, self.scheduler, self.ema, self.sampler, lora_base)
-        self.distill = None if teacher is None else DMD2(self, teacher)   # its critic is saved with the run
+        self.distill = None if teacher is None else OBJECTIVES[cfg.distill.method](self, teacher)   # + its roles
         if self.distill is not None:
             self.state.roles = self.distill.roles()
 
