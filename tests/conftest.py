@@ -79,14 +79,11 @@ def dmd2_teacher(toy_dir, tmp_path_factory):
     return random_model_folder(tiny_overrides(toy_dir), tmp_path_factory.mktemp("teacher"))
 
 
-def random_model_folder(overrides: list[str], folder) -> "Path":
-    """Random weights of the model of ``overrides``, nothing zero (a fresh DiT's zero output layer
-    would make every sample the same grey), as a model folder ``model.init_from`` reads."""
-    import json
-
+def random_model(overrides: list[str]):
+    """(config, spec, geometry, model) of ``overrides`` with random weights, nothing zero (a fresh
+    DiT's zero output layer would make every sample the same grey)."""
     import torch
 
-    from videodit.checkpoint.tools import write_model_folder
     from videodit.components import model_geometry
     from videodit.config import load_config
     from videodit.models.families import get_spec
@@ -99,6 +96,16 @@ def random_model_folder(overrides: list[str], folder) -> "Path":
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
+    return cfg, spec, geometry, model
+
+
+def random_model_folder(overrides: list[str], folder):
+    """:func:`random_model` as a model folder ``model.init_from`` reads."""
+    import json
+
+    from videodit.checkpoint.tools import write_model_folder
+
+    _, spec, geometry, model = random_model(overrides)
     return write_model_folder(folder, model.state_dict(), {"config.json": json.dumps(spec.geometry_config(geometry))})
 
 

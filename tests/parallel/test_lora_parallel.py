@@ -12,13 +12,11 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import tiny_overrides, torchrun
+from conftest import random_model, tiny_overrides, torchrun
 from test_distributed import run_layouts, wan
 from videodit.checkpoint.tools import write_model_folder
 from videodit.cli import main
-from videodit.components import model_geometry
 from videodit.config import load_config
-from videodit.models.families import get_spec
 from videodit.models.lora import is_adapter_name
 from videodit.models.stdit.model import STDiT
 from videodit.models.wan import write_wan_folder
@@ -32,14 +30,7 @@ BUCKETS = "{'24px': {1: [1.0, 2], 4: [1.0, 2]}, '16px': {1: [1.0, 2], 4: [1.0, 2
 def make_base(overrides: list[str], folder: Path) -> Path:
     """Random base weights for the geometry of ``overrides``, of its model family, as a videodit
     model folder (nothing zero: see tests/train/test_lora.py)."""
-    cfg = load_config("tiny", overrides)
-    spec = get_spec(cfg.model.family)
-    torch.manual_seed(0)
-    geometry = model_geometry(cfg, 3, cfg.text.dim)
-    model = spec.build(geometry)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
+    cfg, spec, geometry, model = random_model(overrides)
     if isinstance(model, STDiT):
         return model.save_pretrained(folder)
     if cfg.model.family == "wan":
