@@ -1,5 +1,6 @@
 """Print docs/memory.md's DMD2 tables (predictions of `videodit plan`): Wan 2.1 T2V 1.3B and 14B
-distilled with DMD2 at 480p (832x480) x 81 frames, bf16, on 24/48/80 GiB GPUs, 1 GPU and 8 (DDP).
+distilled with DMD2 at 480p (832x480) x 81 frames, bf16, on 24/48/80 GiB GPUs, 1 GPU and 8 (DDP),
+with full-weight roles and with shared-base LoRA roles (``lora.rank=64``).
 
     python scripts/distill_plan_tables.py
 
@@ -28,6 +29,10 @@ MODELS = {"Wan 2.1 T2V 1.3B": ["distill.method=dmd2"],
           "Wan 2.1 T2V 14B": ["model.preset=wan2.1-t2v-14b", "distill.method=dmd2"]}
 LEVERS = [("AdamW (recipe)", []), ("8-bit AdamW", ["train.optimizer=adamw8bit"]),
           ("8-bit AdamW + offload", ["train.optimizer=adamw8bit", "memory.offload=true"])]
+# Shared-base LoRA (train/shared_base.py): student and critic are rank-64 adapters of the teacher's
+# frozen bf16 weights; 8-bit moments save little on adapters.
+SHARED_BASE = ["lora.rank=64"]
+SHARED_BASE_LEVERS = [("AdamW (recipe)", []), ("offload", ["memory.offload=true"])]
 LAYOUTS = [(1, []), (8, ["parallel.dp_shard=1", "parallel.dp_replicate=8"])]
 
 
@@ -56,38 +61,43 @@ def sharded_need(model: list[str], size: int) -> tuple[int, int] | None:
     return None
 
 
+def table(name: str, model: list[str], levers: list[tuple[str, list[str]]], roles: str) -> None:
+    print(f"\n**{name}, DMD2 ({roles}), 480p x 81, bf16, full checkpointing**\n")
+    print("| levers | GPUs | batch-1 peak GiB | max batch 24 GiB | 48 GiB | 80 GiB |")
+    print("|---|---|---:|---:|---:|---:|")
+    commands, smallest = [], None
+    for label, lever in levers:
+        for gpus, layout in LAYOUTS:
+            overrides = model + lever + layout
+            cfg = load_config(RECIPE, overrides)
+            cells, peak = [], None
+            for size in GPU_SIZES:
+                planner = planner_from_config(cfg, size * GIB, world_size=gpus, encoder_bytes=0)
+                e = planner.estimate(1, *SHAPE)
+                peak = e.peak / GIB
+                cells.append(str(planner.max_batch(*SHAPE)))
+                if smallest is None or e.peak < smallest.peak:
+                    smallest = e
+            print(f"| {label} | {gpus} | {peak:.1f} | " + " | ".join(cells) + " |")
+            commands.append(command(overrides, gpus))
+    e = smallest
+    print(f"\nleast batch-1 peak: {e.peak / GIB:.1f} GiB, of which state (student, critic, teacher) "
+          f"{state_bytes(e) / GIB:.1f} GiB, graded pass {(e.activations + e.temporaries + e.passes) / GIB:.1f} GiB")
+    for size in GPU_SIZES if not e.detail.get("shared_base") else ():
+        if e.peak > size * GIB * 0.9:
+            need = sharded_need(model, size)
+            sharded = "nor with its roles sharded over 64 GPUs" if need is None else (
+                f"with its three roles FSDP-sharded (not wired into DMD2 yet) it would need {need[0]} GPUs "
+                f"(batch-1 peak {need[1] / GIB:.1f} GiB, 8-bit AdamW + offload)")
+            print(f"  {size} GiB: does not fit on one GPU or under DDP; {sharded}")
+    print("\nthe rows' commands (the cells: --gpu-mem 24GiB, 48GiB, 80GiB):")
+    print("\n".join(f"    {c}" for c in commands))
+
+
 def main() -> None:
     for name, model in MODELS.items():
-        print(f"\n**{name}, DMD2, 480p x 81, bf16, full checkpointing**\n")
-        print("| levers | GPUs | batch-1 peak GiB | max batch 24 GiB | 48 GiB | 80 GiB |")
-        print("|---|---|---:|---:|---:|---:|")
-        commands, smallest = [], None
-        for label, levers in LEVERS:
-            for gpus, layout in LAYOUTS:
-                overrides = model + levers + layout
-                cfg = load_config(RECIPE, overrides)
-                cells, peak = [], None
-                for size in GPU_SIZES:
-                    planner = planner_from_config(cfg, size * GIB, world_size=gpus, encoder_bytes=0)
-                    e = planner.estimate(1, *SHAPE)
-                    peak = e.peak / GIB
-                    cells.append(str(planner.max_batch(*SHAPE)))
-                    if smallest is None or e.peak < smallest.peak:
-                        smallest = e
-                print(f"| {label} | {gpus} | {peak:.1f} | " + " | ".join(cells) + " |")
-                commands.append(command(overrides, gpus))
-        e = smallest
-        print(f"\nleast batch-1 peak: {e.peak / GIB:.1f} GiB, of which state (student, critic, teacher) "
-              f"{state_bytes(e) / GIB:.1f} GiB, graded pass {(e.activations + e.temporaries + e.passes) / GIB:.1f} GiB")
-        for size in GPU_SIZES:
-            if e.peak > size * GIB * 0.9:
-                need = sharded_need(model, size)
-                sharded = "nor with its roles sharded over 64 GPUs" if need is None else (
-                    f"with its three roles FSDP-sharded (not wired into DMD2 yet) it would need {need[0]} GPUs "
-                    f"(batch-1 peak {need[1] / GIB:.1f} GiB, 8-bit AdamW + offload)")
-                print(f"  {size} GiB: does not fit on one GPU or under DDP; {sharded}")
-        print("\nthe rows' commands (the cells: --gpu-mem 24GiB, 48GiB, 80GiB):")
-        print("\n".join(f"    {c}" for c in commands))
+        table(name, model, LEVERS, "full weights: student, critic, teacher")
+        table(name, model + SHARED_BASE, SHARED_BASE_LEVERS, "shared-base LoRA rank 64: one bf16 base, two adapters")
 
 
 if __name__ == "__main__":

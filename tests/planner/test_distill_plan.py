@@ -54,6 +54,17 @@ def test_the_estimate_is_its_roles_and_a_plain_run_plus_critic_and_teacher(toy_d
     assert dmd2.critic_ddp_buckets == plain.ddp_buckets == (plain.grads if world > 1 else 0)
 
 
+def test_a_shared_base_lora_run_holds_one_base_and_two_adapters(toy_dir):
+    plain = planner(toy_dir, **{"lora.rank": 8}).estimate(*SHAPE)
+    dmd2 = planner(toy_dir, **DMD2, **{"distill.teacher": "t", "lora.rank": 8}).estimate(*SHAPE)
+    lines = dict(dmd2.lines())
+    assert sum(lines.values()) == dmd2.peak and dmd2.peak - plain.peak == role_terms(dmd2)
+    assert dmd2.teacher == 0 and dmd2.params == plain.params   # the base (and the student's adapter) once
+    assert dmd2.critic_params == plain.grads == 4 * plain.detail["adapter_params"]   # one more fp32 adapter
+    assert dmd2.critic_optimizer == plain.optimizer
+    assert dmd2.detail["num_params_held"] == dmd2.detail["num_params"]
+
+
 def test_plan_prints_each_role_on_its_own_line(toy_dir, capsys):
     overrides = tiny_overrides(toy_dir, **WAN, **DMD2, **{"distill.teacher": "t"})
     assert main(["plan", "tiny", *overrides, "--gpu-mem", "1GiB"]) == 0
@@ -81,9 +92,10 @@ def teacher(toy_dir, tmp_path_factory):
     return run / "checkpoints" / "step-0000001"
 
 
-def test_the_estimate_matches_a_measured_dmd2_step(toy_dir, teacher, tmp_path):
+@pytest.mark.parametrize("lora", [0, 32], ids=["full", "shared-base-lora"])
+def test_the_estimate_matches_a_measured_dmd2_step(toy_dir, teacher, tmp_path, lora):
     overrides = tiny_overrides(toy_dir, **WAN, **DMD2, **{"distill.teacher": str(teacher),
-                                                          "train.deterministic": True})
+                                                          "train.deterministic": True, "lora.rank": lora})
     trainer = Trainer(load_config("tiny", overrides), tmp_path / "run")
     planned = planner_from_config(load_config("tiny", overrides), gpu_bytes=1)
     for shape, low, high in ((SHAPE, 0.95, 1.05), (STATE_HEAVY, 1.0, 1.10)):
@@ -92,7 +104,7 @@ def test_the_estimate_matches_a_measured_dmd2_step(toy_dir, teacher, tmp_path):
         lines = dict(predicted.lines())
         # What each role holds: exact but for the models' buffers, which the planner does not count.
         for role, bytes_ in measured.roles.items():
-            key = role if role in lines else f"{role} (frozen)"
+            key = next(line for line in lines if line.startswith(role))   # "teacher": its weights, or the base
             assert abs(lines[key] - bytes_) <= 0.01 * bytes_ + 4096, role
         assert abs(predicted.activations / measured.activations - 1) <= 0.05
         # The whole step: the roles' tensors plus the step's own peak (gradients, activations, transients).

@@ -37,8 +37,9 @@ def test_the_student_moves_on_generator_steps_the_critic_on_every_step(toy_dir, 
     assert all(key in record for key in ("generator_loss", "critic_loss", "critic_grad_norm"))
 
 
-def test_resume_restores_student_critic_and_both_optimizers_exactly(toy_dir, dmd2_teacher, tmp_path):
-    common = dmd2_overrides(toy_dir, dmd2_teacher)
+@pytest.mark.parametrize("lora", [0, 4], ids=["full", "shared-base-lora"])
+def test_resume_restores_student_critic_and_both_optimizers_exactly(toy_dir, dmd2_teacher, tmp_path, lora):
+    common = dmd2_overrides(toy_dir, dmd2_teacher, **{"lora.rank": lora})
     straight, split = tmp_path / "straight", tmp_path / "split"
     Trainer(load_config("tiny", common), straight).fit()
     Trainer(load_config("tiny", common + ["train.max_steps=3"]), split).fit()   # stops between generator turns
@@ -103,7 +104,7 @@ def test_dmd2_distils_every_flow_matching_family(toy_dir, tmp_path, family):
 @pytest.mark.parametrize("extra, words", [
     ({"distill.teacher": "null"}, "set distill.teacher"),
     ({"parallel.pp": 2}, "set parallel.pp=1"),
-    ({"lora.rank": 4}, "set lora.rank=0"),
+    ({"lora.rank": 4, "model.init_from": "/elsewhere"}, "is not distill.teacher"),
     ({"distill.score_t_range": "[0.9,0.1]"}, "low < high"),
     ({"model.preset": "ltx2-tiny"}, "LTX-2's objective"),
 ])

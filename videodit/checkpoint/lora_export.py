@@ -12,6 +12,9 @@ A14B), whose files are named as ComfyUI's Wan 2.2 workflows name LoRA pairs (``.
     diffusers   pytorch_lora_weights.safetensors     pytorch_lora_weights_{high,low}_noise.safetensors
     comfyui     <OUT's name>.safetensors             <OUT's name>_{high,low}_noise.safetensors
     peft        adapter_config.json + adapter_model.safetensors, in high_noise_model/ and low_noise_model/
+
+A distilled run's adapters (``distill.method`` with ``lora.rank``) come with ``SAMPLING.md``: its
+few steps, sigmas and cfg 1.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from videodit.checkpoint.io import warn
+from videodit.checkpoint.convert import student_sampling
+from videodit.checkpoint.io import SAMPLING_NOTE, warn
 from videodit.checkpoint.loaded import LoadedCheckpoint
 from videodit.checkpoint.lora_formats import (Layers, adapter_layers, check_format, comfyui_lora, diffusers_lora,
                                               peft_lora)
@@ -68,6 +72,9 @@ def export_lora(ckpts: list[str | Path], out_dir: str | Path, fmt: str, use_ema:
         part_weights, part_files = _format_files(fmt, part, out_dir.name, expert, target)
         weights.update(part_weights)
         files.update(part_files)
+    note = student_sampling(parts[0].source.config_yaml())   # a distilled (shared-base DMD2) run's sampler
+    if note is not None:
+        files[SAMPLING_NOTE] = note
     return write_folder(out_dir, weights, files)
 
 

@@ -22,6 +22,7 @@ peft imports transformers, which takes seconds, so it is imported only when LoRA
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 
@@ -32,7 +33,6 @@ from videodit.errors import UserError
 from videodit.models.spec import model_parts
 
 ADAPTER = "default"          # peft's adapter name; it appears in the parameter names
-ADAPTER_KEYS = (f".lora_A.{ADAPTER}.", f".lora_B.{ADAPTER}.")
 
 
 def scale_numerator(cfg: LoraConfig) -> float:
@@ -123,18 +123,26 @@ def adapter_parameter_count(model: nn.Module, cfg: LoraConfig) -> int:
     return sum(cfg.rank * (i + o) for i, o in target_shapes(model, cfg).values()) if cfg.rank else 0
 
 
-def add_adapters(model: nn.Module, cfg: LoraConfig) -> nn.Module:
+def add_adapters(model: nn.Module, cfg: LoraConfig, names: tuple[str, ...] = (ADAPTER,)) -> nn.Module:
     """Inject LoRA adapters into ``model`` in place (peft) and freeze everything else; returns
-    ``model``. The adapters are created on each base layer's device, in fp32."""
+    ``model``. The adapters are created on each base layer's device, in fp32. Several ``names``:
+    one adapter each on the same layers (a shared-base distillation run's student and critic),
+    the first one active."""
     if cfg.rank < 1:
         raise ValueError("add_adapters needs lora.rank >= 1")
     paths = list(target_shapes(model, cfg))   # checks the rank against the layers before peft allocates
+    import warnings
+
     from peft import LoraConfig as PeftLoraConfig
     from peft import inject_adapter_in_model
 
     config = PeftLoraConfig(r=cfg.rank, lora_alpha=scale_numerator(cfg), lora_dropout=cfg.dropout, bias="none",
                             target_modules="|".join(re.escape(path) for path in paths))   # full match, exact
-    inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    for name in names:
+        with warnings.catch_warnings():   # peft warns that a second adapter finds its config already there
+            warnings.simplefilter("ignore")
+            inject_adapter_in_model(config, model, adapter_name=name)
+    set_adapter_state(lora_layers(model), names[0])
     return model
 
 
@@ -146,17 +154,72 @@ def is_lora_layer(module: nn.Module) -> bool:
     return isinstance(module, LoraLayer)
 
 
-def is_adapter_name(name: str) -> bool:
-    """Whether a parameter name belongs to an adapter (``...lora_A.default.weight``)."""
-    return any(key in name for key in ADAPTER_KEYS)
+def adapter_keys(adapter: str = ADAPTER) -> tuple[str, str]:
+    return (f".lora_A.{adapter}.", f".lora_B.{adapter}.")
 
 
-def base_parameter_names(model: nn.Module) -> set[str]:
-    """A LoRA model's frozen base: every parameter but the adapters (empty without adapters)."""
+def is_adapter_name(name: str, adapter: str = ADAPTER) -> bool:
+    """Whether a parameter name belongs to ``adapter`` (``...lora_A.default.weight``)."""
+    return any(key in name for key in adapter_keys(adapter))
+
+
+def base_parameter_names(model: nn.Module, adapter: str = ADAPTER) -> set[str]:
+    """What a LoRA model's ``adapter`` does not own: the frozen base, and a shared-base run's
+    other adapters (empty without adapters)."""
     names = [name for name, _ in model.named_parameters()]
-    if not any(is_adapter_name(name) for name in names):
+    if not any(is_adapter_name(name, adapter) for name in names):
         return set()
-    return {name for name in names if not is_adapter_name(name)}
+    return {name for name in names if not is_adapter_name(name, adapter)}
+
+
+def adapter_parameters(model: nn.Module, adapter: str = ADAPTER) -> list[nn.Parameter]:
+    """The parameters ``adapter`` trains (every parameter of a model without adapters)."""
+    base = base_parameter_names(model, adapter)
+    return [p for name, p in model.named_parameters() if name not in base]
+
+
+# ---------------------------------------------------------------- which adapter computes
+#
+# A shared-base run's roles are adapters of one model: the student's, the critic's, and none
+# at all (the teacher is the base). Which one a forward uses is state on every LoRA layer, so it
+# is set for the whole model at once and put back afterwards; activation checkpointing records
+# it with each forward and sets it again when backward recomputes (parallel/activation_checkpoint.py).
+
+def lora_layers(model: nn.Module) -> list[nn.Module]:
+    return [module for module in model.modules() if is_lora_layer(module)]
+
+
+def adapter_names(layers: list[nn.Module]) -> list[str]:
+    """The adapters ``layers`` hold (one, or a shared-base run's several; none without LoRA)."""
+    return list(layers[0].lora_A) if layers else []
+
+
+def adapter_state(layers: list[nn.Module]) -> str | None:
+    """The adapter ``layers`` compute with (None: adapters off, the base alone)."""
+    if not layers or layers[0].disable_adapters:
+        return None
+    return layers[0].active_adapters[0]
+
+
+def set_adapter_state(layers: list[nn.Module], adapter: str | None) -> None:
+    """Make ``layers`` compute with ``adapter`` (None: the base alone). peft's own switches
+    (``set_adapter``, ``enable_adapters``) also change ``requires_grad``, which the optimizers
+    and DDP's hooks rely on staying put, so only the switches themselves are set here."""
+    for layer in layers:
+        layer._disable_adapters = adapter is None
+        if adapter is not None:
+            layer._active_adapter = [adapter]
+
+
+@contextlib.contextmanager
+def using_adapter(layers: list[nn.Module], adapter: str | None):
+    """A context in which ``layers`` compute with ``adapter`` (None: the base alone)."""
+    before = adapter_state(layers)
+    set_adapter_state(layers, adapter)
+    try:
+        yield
+    finally:
+        set_adapter_state(layers, before)
 
 
 def base_name(name: str) -> str:

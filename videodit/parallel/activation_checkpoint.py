@@ -25,6 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from videodit.config import MemoryConfig
 from videodit.errors import UserError
+from videodit.models.lora import adapter_names, adapter_state, lora_layers, using_adapter
 
 _aten = torch.ops.aten
 # Ops whose outputs selective checkpointing keeps: the matmuls and every attention kernel
@@ -48,9 +49,19 @@ def checkpoint_module(module: nn.Module, mode: str = "full") -> None:
     options = dict(use_reentrant=False)
     if mode == "selective":
         options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
+    layers = lora_layers(module)
 
     def forward(*args, **kwargs):
-        return checkpoint(inner, *args, **options, **kwargs)
+        if len(adapter_names(layers)) < 2:
+            return checkpoint(inner, *args, **options, **kwargs)
+        # A shared-base run switches adapters between forward and backward (models/lora.py): the
+        # recomputation must use the adapter this forward used, not the one active at backward.
+        adapter = adapter_state(layers)
+
+        def run(*args, **kwargs):
+            with using_adapter(layers, adapter):
+                return inner(*args, **kwargs)
+        return checkpoint(run, *args, **options, **kwargs)
 
     module.forward = forward
 

@@ -22,15 +22,17 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
 from videodit.config import LoraConfig
-from videodit.models.lora import ADAPTER, add_adapters, is_lora_layer, scale_numerator
+from videodit.models.lora import ADAPTER, adapter_names, add_adapters, is_lora_layer, lora_layers, scale_numerator
 from videodit.parallel.fp8_base import store_base_in_fp8
 
 
-def apply_lora(model: nn.Module, cfg: LoraConfig, base_dtype: torch.dtype | None = None) -> nn.Module:
-    """Add ``cfg``'s adapters to ``model`` in place, freeze the rest and hold it in
-    ``base_dtype`` (None: as it is); ``lora.base_dtype: fp8`` holds the block Linear weights
-    in fp8 instead (``parallel/fp8_base.py``), their scales in ``base_dtype``. Returns ``model``."""
-    add_adapters(model, cfg)
+def apply_lora(model: nn.Module, cfg: LoraConfig, base_dtype: torch.dtype | None = None,
+               adapters: tuple[str, ...] = (ADAPTER,)) -> nn.Module:
+    """Add ``cfg``'s adapters to ``model`` in place (one per name in ``adapters``: a shared-base
+    distillation run's roles), freeze the rest and hold it in ``base_dtype`` (None: as it is);
+    ``lora.base_dtype: fp8`` holds the block Linear weights in fp8 instead
+    (``parallel/fp8_base.py``), their scales in ``base_dtype``. Returns ``model``."""
+    add_adapters(model, cfg, adapters)
     if cfg.base_dtype == "fp8":   # quantised from the weights as loaded, before any cast
         store_base_in_fp8(model, base_dtype)
     if base_dtype is not None:
@@ -72,9 +74,11 @@ def lora_summary(model: nn.Module, cfg: LoraConfig) -> str:
     """One line: what trains and what is frozen."""
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = [p for p in model.parameters() if not p.requires_grad]
-    layers = sum(1 for module in model.modules() if is_lora_layer(module))
+    layers = lora_layers(model)
+    names = adapter_names(layers)
     # fp8 storage (parallel/fp8_base.py) holds e4m3 bits in uint8 parameters
     dtypes = "/".join(sorted({str(p.dtype).removeprefix("torch.").replace("uint8", "float8_e4m3fn") for p in frozen}))
     share = 100 * trained / max(trained + sum(p.numel() for p in frozen), 1)
-    return (f"LoRA: rank {cfg.rank}, alpha {scale_numerator(cfg):g}, on {layers} layers: {trained:,} adapter "
-            f"parameters train ({share:.2f}% of the model); the base is frozen in {dtypes}")
+    each = f" ({len(names)} adapters each: {', '.join(names)}, one shared base)" if len(names) > 1 else ""
+    return (f"LoRA: rank {cfg.rank}, alpha {scale_numerator(cfg):g}, on {len(layers)} layers{each}: {trained:,} "
+            f"adapter parameters train ({share:.2f}% of the model); the base is frozen in {dtypes}")

@@ -35,6 +35,7 @@ from videodit.parallel.full_attention import apply_full_attention_sp
 from videodit.parallel.joint_attention import apply_joint_attention_sp
 from videodit.models.flops import block_costs
 from videodit.models.families import spec_of
+from videodit.models.lora import adapter_names, lora_layers
 from videodit.models.spec import model_parts
 from videodit.parallel.gradients import clip_gradients, gradient_sync, sum_partial_gradients
 from videodit.parallel.pipeline import (PipelineSchedule, build_pipeline, check_microbatches,
@@ -194,9 +195,11 @@ def parallelize(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *, memo
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # Swapped weights are frozen and identical on every rank; broadcasting them would read them whole.
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, swapped)
-        # A two-expert model trains one expert per step: the other's parameters get no gradient.
+        # A two-expert model trains one expert per step, a shared-base run one adapter per
+        # backward: the others' parameters get no gradient.
         module = DistributedDataParallel(model, process_group=ctx.group("dp_sp"), device_ids=device_ids,
-                                         find_unused_parameters=len(stacks) > 1)
+                                         find_unused_parameters=len(stacks) > 1
+                                         or len(adapter_names(lora_layers(model))) > 1)
     return ParallelModel(model, module, loss_fn, ctx, pipeline, autocast_dtype, partial, stats)
 
 

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from videodit.errors import UserError
-from videodit.models.lora import base_parameter_names
+from videodit.models.lora import ADAPTER, base_parameter_names
 from videodit.parallel.tensor import dcp_state, restore_from_dcp
 from videodit.user_files import NotRegularFile, open_user_fd, read_user_bytes
 
@@ -94,10 +94,11 @@ def copy_into(targets: dict[str, torch.Tensor], source: dict[str, torch.Tensor])
                 target.copy_(value)
 
 
-def saved_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def saved_state(model: nn.Module, adapter: str = ADAPTER) -> dict[str, torch.Tensor]:
     """The model tensors a checkpoint holds: the state dict, less a LoRA run's frozen base (the
-    weights the run started from, ``model.init_from``, hold it)."""
-    base = base_parameter_names(model)
+    weights the run started from, ``model.init_from``, hold it); of a shared-base run's model,
+    ``adapter``'s tensors (each role saves its own)."""
+    base = base_parameter_names(model, adapter)
     return {name: tensor for name, tensor in model.state_dict().items() if name not in base}
 
 
@@ -123,10 +124,10 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
-def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor], adapter: str = ADAPTER) -> None:
     """Load whole tensors into a plain or sharded model (a pipeline stage takes its part; frozen
-    parameters keep what they hold)."""
-    state = _restricted(state, saved_state(model).keys())
+    parameters keep what they hold; of a shared-base run's model, ``adapter``'s tensors)."""
+    state = _restricted(state, saved_state(model, adapter).keys())
     if any(isinstance(p, DTensor) for p in model.parameters()):
         set_model_state_dict(model, state, options=_model_options(model, full_state_dict=True, strict=True))
     else:

@@ -14,6 +14,10 @@ DDP's gradient buckets, 4 bytes per parameter for each trained role):
 * the frozen **teacher**: weights only, in the run's storage dtype (a deep copy of the model
   before any parallelism: fp32, also under bf16 autocast).
 
+With ``lora.rank`` (shared-base LoRA, ``train/shared_base.py``) the three are one model: the
+student's estimate already holds the frozen base (in ``lora.base_dtype``) and its adapter; the
+critic adds an adapter of the same size with its AdamW state and DDP buckets; the teacher adds 0.
+
 Activations: one graded pass at a time. On the student's turns its graded forward keeps its
 activations while the teacher (cond and uncond) and the critic score the sample without
 gradients; then its backward. The critic's graded forward + backward (every step) is a plain
@@ -45,11 +49,14 @@ class Distill:
     method: str = "dmd2"
     teacher_cfg: float = 4.0      # != 1: the teacher also runs unconditioned (time, not memory)
     generator_every: int = 5
+    shared_base: bool = False     # lora.rank: the roles are adapters of one frozen model
 
     def describe(self) -> str:
+        held = {("trajectory", False): "2 models per GPU", ("dmd2", False): "3 models per GPU"}.get(
+            (self.method, self.shared_base), "one shared base per GPU")
         if self.method == "trajectory":
-            return f"trajectory distillation: student trained, teacher frozen (2 models per GPU); teacher cfg {self.teacher_cfg:g}"
-        return (f"DMD2: student + critic trained, teacher frozen (3 models per GPU); teacher cfg "
+            return f"trajectory distillation: student trained, teacher frozen ({held}); teacher cfg {self.teacher_cfg:g}"
+        return (f"DMD2: student + critic trained, teacher frozen ({held}); teacher cfg "
                 f"{self.teacher_cfg:g}, student every {self.generator_every} step(s)")
 
 
@@ -57,7 +64,7 @@ def distill_from_config(cfg) -> Distill | None:
     d = cfg.distill
     if d.method is None:
         return None
-    return Distill(d.method, d.teacher_cfg, d.generator_every)
+    return Distill(d.method, d.teacher_cfg, d.generator_every, bool(cfg.lora.rank))
 
 
 def check_distill_layout(cfg, parallel, world_size: int) -> None:
@@ -70,8 +77,6 @@ def check_distill_layout(cfg, parallel, world_size: int) -> None:
         more = (f" (on {world_size} GPUs parallel.dp_shard=-1 shards over them: for DDP set parallel.dp_shard=1 "
                 f"parallel.dp_replicate={world_size})") if p.dp_shard == -1 and parallel.shard > 1 else ""
         raise UserError(REFUSED_LAYOUT + more)
-    if cfg.lora.rank:
-        raise UserError("distill.method=dmd2 trains full-weight student and critic for now; set lora.rank=0")
     if cfg.model.expert == "both" or cfg.diffusion.mask_ratios is not None or cfg.memory.swap_blocks:
         raise UserError("distill.method=dmd2 does not take model.expert=both, diffusion.mask_ratios or "
                         "memory.swap_blocks yet; distil one expert per run without frame masks or block swapping")
@@ -83,13 +88,19 @@ def dmd2_estimate(student: Estimate, critic_pass: Estimate, num_params: int, pre
     state, the graded pass's activations and transients); ``critic_pass``, the same step as the
     critic runs it (no train.fp8 conversion: otherwise equal to ``student``); ``num_params``: the
     model's parameters (whole on every GPU). ``with_critic`` False: trajectory distillation
-    (``train/trajectory.py``), the student and the frozen teacher only."""
+    (``train/trajectory.py``), the student and the frozen teacher only. A LoRA ``student``
+    (``lora.rank``): the roles share its base (``train/shared_base.py``), so the teacher adds
+    nothing and the critic is one more adapter, the size of the student's."""
+    shared = "adapter_params" in student.detail
+    # The roles' own weights: a whole fp32 model each, or on a shared base one fp32 adapter.
+    role_weights = student.grads if shared else num_params * 4
+    teacher = 0 if shared else num_params * 4   # full weights: fp32 (train/dmd2.py copies the model)
+    held = {"distill": "dmd2" if with_critic else "trajectory", "shared_base": shared}
     if not with_critic:
-        detail = {**student.detail, "distill": "trajectory", "num_params_held": 2 * num_params}
-        return dataclasses.replace(student, detail=detail, teacher=num_params * 4)
-    critic_params = num_params * 4
-    teacher = num_params * 4            # the storage dtype: fp32 (train/dmd2.py copies the model)
-    critic_cache = num_params * precision_low_bytes if precision_low_bytes < 4 else 0   # bf16 autocast cache
+        detail = {**student.detail, **held, "num_params_held": (1 if shared else 2) * num_params}
+        return dataclasses.replace(student, detail=detail, teacher=teacher)
+    trained = role_weights // 4
+    critic_cache = trained * precision_low_bytes if precision_low_bytes < 4 else 0   # bf16 autocast cache
     block = student.detail["per_block_plain"]
     graded = student.grads + student.activations + student.temporaries   # the student's graded pass, at its worst
     # The teacher's and critic's no-grad forwards, while the student's activations (and its bf16
@@ -98,8 +109,8 @@ def dmd2_estimate(student: Estimate, critic_pass: Estimate, num_params: int, pre
     scoring = student.activations + student_copies + critic_cache + 0.5 * block
     critic = critic_pass.grads + critic_pass.activations + critic_pass.temporaries
     passes = int(max(0, scoring - graded, critic - graded))
-    detail = {**student.detail, "distill": "dmd2", "num_params_held": 3 * num_params}
-    return dataclasses.replace(student, detail=detail, critic_params=critic_params, critic_grads=0,
+    detail = {**student.detail, **held, "num_params_held": (1 if shared else 3) * num_params}
+    return dataclasses.replace(student, detail=detail, critic_params=role_weights, critic_grads=0,
                                critic_optimizer=student.optimizer, critic_ddp_buckets=student.ddp_buckets,
                                teacher=teacher, passes=passes)
 

@@ -153,11 +153,11 @@ class Estimate:
     encoders: int
     detail: dict = field(default_factory=dict)
     ddp_buckets: int = 0         # DDP's gradient buckets (the reducer's flat fp32 copy of the gradients)
-    critic_params: int = 0       # DMD2: the critic's fp32 weights
+    critic_params: int = 0       # DMD2: the critic's fp32 weights (shared-base LoRA: its adapter's)
     critic_grads: int = 0        # ... its gradients beyond the student's (they never coexist: 0)
     critic_optimizer: int = 0    # ... its AdamW state
     critic_ddp_buckets: int = 0  # ... its DDP gradient buckets
-    teacher: int = 0             # DMD2: the frozen teacher's weights
+    teacher: int = 0             # DMD2: the frozen teacher's weights (0 on a shared base)
     passes: int = 0              # DMD2: the teacher's and critic's passes beyond the student's graded one
 
     ROLE_FIELDS = ("ddp_buckets", "critic_params", "critic_grads", "critic_optimizer", "critic_ddp_buckets",
@@ -187,7 +187,8 @@ class Estimate:
             if self.ddp_buckets or self.critic_ddp_buckets:
                 rows.append(("critic DDP gradient buckets", self.critic_ddp_buckets))
         if self.distilled:
-            rows.append(("teacher weights (frozen)", self.teacher))
+            rows.append(("teacher: the student's base, adapters off (counted there)" if self.detail.get("shared_base")
+                         else "teacher weights (frozen)", self.teacher))
         rows += [("activations" + (" (the graded pass: student's or critic's)" if critic else ""),
                   self.activations), ("transients" + (" (of the graded pass)" if self.distilled else ""),
                                       self.temporaries)]

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from videodit.data.dataset import Batch
+from videodit.models.lora import adapter_parameters
 
 
 class LiveMemory(TorchDispatchMode):
@@ -153,11 +154,13 @@ def measure_distill_step(trainer, batch: Batch, warm_steps: int = 1) -> DistillM
     for _ in range(warm_steps):
         dmd.train_step([batch])
     ema = [] if trainer.ema is None else list(trainer.ema.shadow.values())
-    roles = {"student weights": tensor_bytes(trainer.model.parameters()),
+    critic = adapter_parameters(dmd.critic.local_model, dmd.critic_adapter)   # a shared base: its adapter
+    mine = {id(p) for p in critic} if dmd.shared_base else set()
+    roles = {"student weights": tensor_bytes(p for p in trainer.model.parameters() if id(p) not in mine),
              "student optimizer": optimizer_bytes(trainer.optimizer), "student EMA": tensor_bytes(ema),
-             "critic weights": tensor_bytes(dmd.critic.local_model.parameters()),
+             "critic weights": tensor_bytes(critic),
              "critic optimizer": optimizer_bytes(dmd.critic_optimizer),
-             "teacher weights": tensor_bytes(dmd.teacher.parameters()),
+             "teacher": 0 if dmd.shared_base else tensor_bytes(dmd.teacher.parameters()),
              "frozen encoders": 0 if trainer.text is None else
              tensor_bytes([*trainer.text.parameters(), *trainer.text.buffers()])}
     held = {}

@@ -35,7 +35,9 @@ from videodit.models.spec import Conditions
 from videodit.parallel.gradients import gradient_sync
 from videodit.parallel.parallelize import parallelize
 from videodit.sample import negative_condition
+from videodit.models.lora import ADAPTER
 from videodit.train.optimizer import build_optimizer, warmup_schedule
+from videodit.train.shared_base import CRITIC, AdapterRole, frozen_base
 from videodit.train.state import Role, init_weights_from
 
 FULL_REPLICAS = ("distillation (distill.method) runs on one process or under DDP for now (parallel.dp_shard=1, tp=1, sp=1); "
@@ -55,8 +57,10 @@ def check_distillation(cfg: Config) -> None:
                         "schedule holds: set parallel.pp=1")
     if p.dp_shard > 1 or p.tp > 1 or p.sp > 1:
         raise UserError(FULL_REPLICAS)
-    if cfg.lora.rank:
-        raise UserError(f"distill.method={d.method} trains full-weight student and critic for now; set lora.rank=0")
+    if cfg.lora.rank and d.teacher and cfg.model.init_from and cfg.model.init_from != d.teacher:
+        raise UserError(f"distill.method={d.method} with lora.rank trains adapters on the teacher's own weights "
+                        f"(a shared base): model.init_from={cfg.model.init_from} is not distill.teacher; leave "
+                        "model.init_from unset, or set lora.rank=0 to start a full-weight student elsewhere")
     if cfg.model.expert == "both" or cfg.diffusion.mask_ratios is not None or cfg.memory.swap_blocks:
         raise UserError(f"distill.method={d.method} does not take model.expert=both, diffusion.mask_ratios or "
                         "memory.swap_blocks yet; distil one expert per run without frame masks or block swapping")
@@ -68,9 +72,10 @@ def check_distillation(cfg: Config) -> None:
 
 
 def distillation_teacher(cfg: Config, model: torch.nn.Module, vae, text) -> torch.nn.Module | None:
-    """The frozen teacher of a distillation run (None for other runs): a copy of the student's
-    starting weights (``model``), or ``distill.teacher``'s where the student starts elsewhere."""
-    if cfg.distill.method is None:
+    """The frozen teacher of a full-weight distillation run: a copy of the student's starting
+    weights (``model``), or ``distill.teacher``'s where the student starts elsewhere. None for
+    other runs, and for a shared-base LoRA run, whose teacher is its own base (``shared_base.py``)."""
+    if cfg.distill.method is None or cfg.lora.rank:
         return None
     source = cfg.distill.teacher
     if source is None or source == cfg.model.init_from:
@@ -85,14 +90,16 @@ class StudentObjective:
     schedule, the frozen ``teacher`` (guided as ``distill.teacher_cfg`` says), the batch's
     conditions and the step's seeded exit index. Subclasses add their roles and their step."""
 
-    def __init__(self, trainer, teacher: torch.nn.Module):
+    def __init__(self, trainer, teacher: torch.nn.Module | None):
         cfg = trainer.cfg
         if trainer.ctx.dims.data_parallel not in ("none", "ddp"):   # dp_shard=-1 shards over every rank
             raise UserError(FULL_REPLICAS)
         self.trainer, self.cfg, self.d = trainer, cfg, cfg.distill
         self.schedule = StudentSchedule.of(cfg)
         self.sigmas = self.schedule.sigmas.tolist()
-        self.teacher = teacher.requires_grad_(False).eval().to(trainer.device)
+        self.shared_base = teacher is None   # lora.rank: every role is the run's model (shared_base.py)
+        self.teacher = (frozen_base(trainer.parallel) if self.shared_base
+                        else teacher.requires_grad_(False).eval().to(trainer.device))
         self.negative = None if trainer.text is None else negative_condition(trainer.text, cfg.sample.negative_prompt)
         self.spec = trainer.spec
         self.last: dict = {}
@@ -160,20 +167,25 @@ class StudentObjective:
 class DMD2(StudentObjective):
     """DMD2: the student, its critic (a second trained role) and the frozen teacher."""
 
-    def __init__(self, trainer, teacher: torch.nn.Module):
+    def __init__(self, trainer, teacher: torch.nn.Module | None):
         super().__init__(trainer, teacher)
         cfg, tc = trainer.cfg, trainer.cfg.train
-        self.critic = parallelize(copy.deepcopy(self.teacher).requires_grad_(True).train(), trainer.ctx, cfg.parallel,
-                                  memory=cfg.memory, loss_fn=trainer.flow.loss,
-                                  autocast_dtype=trainer.parallel.autocast_dtype)
+        if self.shared_base:   # the critic's adapter, beside the student's on the one model
+            self.critic = AdapterRole(trainer.parallel, CRITIC)
+        else:
+            self.critic = parallelize(copy.deepcopy(self.teacher).requires_grad_(True).train(), trainer.ctx,
+                                      cfg.parallel, memory=cfg.memory, loss_fn=trainer.flow.loss,
+                                      autocast_dtype=trainer.parallel.autocast_dtype)
         critic_tc = dataclasses.replace(tc, lr=self.d.critic_lr if self.d.critic_lr is not None else tc.lr,
                                         betas=list(self.d.critic_betas))
-        self.critic_optimizer = build_optimizer(self.critic.local_model, critic_tc, lora=False)
+        self.critic_adapter = CRITIC if self.shared_base else ADAPTER
+        self.critic_optimizer = build_optimizer(self.critic.local_model, critic_tc, lora=self.shared_base,
+                                                adapter=self.critic_adapter)
         self.critic_scheduler = warmup_schedule(self.critic_optimizer, tc.warmup_steps)
 
     def roles(self) -> dict[str, Role]:
         """The trained roles besides the student, for ``TrainState``."""
-        return {"critic": Role(self.critic, self.critic_optimizer, self.critic_scheduler)}
+        return {"critic": Role(self.critic, self.critic_optimizer, self.critic_scheduler, self.critic_adapter)}
 
     # ------------------------------------------------------------------ the step
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from videodit.errors import UserError
+from videodit.models.lora import ADAPTER, adapter_parameters
 from videodit.planner.levers import ADAM8_BLOCK, optimizer_bytes_per_param
 from videodit.quiet import quiet_torchao
 
@@ -101,10 +102,10 @@ def require_optimizer(kind: str) -> None:
         _adamw8bit_class()
 
 
-def build_optimizer(model: torch.nn.Module, tc, *, lora: bool) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, tc, *, lora: bool, adapter: str = ADAPTER) -> torch.optim.Optimizer:
     """The optimizer of ``train.optimizer`` over the trained parameters (a LoRA run: the
-    adapters only; otherwise every parameter, as always)."""
-    params = [p for p in model.parameters() if p.requires_grad or not lora]
+    adapter's only, ``adapter`` of a shared-base run's several; otherwise every parameter)."""
+    params = adapter_parameters(model, adapter) if lora else list(model.parameters())
     if tc.optimizer == "adamw8bit":
         optimizer = _adamw8bit_class()(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay,
                                        block_size=BLOCK_SIZE)

@@ -27,6 +27,7 @@ from videodit.data.sampler import BucketBatchSampler
 from videodit.errors import UserError
 from videodit.checkpoint.lora import check_base, init_weights
 from videodit.models.families import get_spec, released_spec
+from videodit.models.lora import ADAPTER
 from videodit.parallel.parallelize import ParallelModel
 from videodit.parallel.state import (full_tensors, gather_stages, load_model_state, load_optimizer_state,
                                      load_shards, optimizer_state, save_shards, saved_state)
@@ -38,10 +39,12 @@ from videodit.train.optimizer import scheduler_state
 @dataclass
 class Role:
     """A trained network beside the run's model (DMD2's critic): saved as ``{name}.safetensors``,
-    ``{name}_optimizer.pt`` and its LR schedule in state.json, restored exactly on resume."""
+    ``{name}_optimizer.pt`` and its LR schedule in state.json, restored exactly on resume. On a
+    shared base (``train/shared_base.py``) it is one ``adapter`` of the run's own model."""
     parallel: ParallelModel
     optimizer: torch.optim.Optimizer
     scheduler: object
+    adapter: str = ADAPTER
 
 
 @dataclass
@@ -79,7 +82,7 @@ class TrainState:
         if self.ema is not None:
             tensors["ema"] = self.gather(self.ema.state_dict())
         for name, role in self.roles.items():
-            tensors[name] = self.gather(saved_state(role.parallel.local_model))
+            tensors[name] = self.gather(saved_state(role.parallel.local_model, role.adapter))
         self._check_finite(tensors)
         ema_shards = self.ema.state_dict() if self.ema is not None else None
         sharded = self.parallel.sharded
@@ -162,7 +165,7 @@ class TrainState:
                 raise UserError(f"checkpoint {ckpt.path} has no {name} (it was not written by a run that trains one, "
                                 "e.g. distill.method=dmd2): resume it with its own config, or start a new run "
                                 "from it with model.init_from")
-            load_model_state(role.parallel.local_model, ckpt.tensors(name))
+            load_model_state(role.parallel.local_model, ckpt.tensors(name), role.adapter)
             load_optimizer_state(role.parallel.local_model, role.optimizer, restored_moments(
                 ckpt.torch_state(f"{name}_optimizer"), role.optimizer, role.parallel.local_model))
             role.scheduler.load_state_dict(state["roles"][name]["scheduler"])

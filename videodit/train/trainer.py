@@ -59,7 +59,7 @@ from videodit.parallel.parallelize import parallelize
 from videodit.sample import NonFiniteLatents, generate, guidance_of, takes_condition, write_clips
 from videodit.toy.make import ensure_toy_data
 from videodit.train.caption_dropout import EmptyCaptionDropout
-from videodit.train.distillation import OBJECTIVES, check_distillation, distillation_teacher
+from videodit.train.distillation import OBJECTIVES, check_distillation, distillation_teacher, role_adapters
 from videodit.train.ema import EMA
 from videodit.train.loggers import check_loggers
 from videodit.train.metrics import MetricsLogger, Throughput, peak_tflops, significant
@@ -156,7 +156,8 @@ class Trainer:
         if cfg.lora.rank:   # adapters first, then every layer of parallelism (parallel/lora.py)
             # On the host: the base reaches the device already cast (bf16) or in fp8, never in
             # fp32 whole (Wan 14B: 57 GB).
-            model = apply_lora(model, cfg.lora, base_dtype=base_storage_dtype(cfg.lora.base_dtype, use_bf16))
+            model = apply_lora(model, cfg.lora, base_dtype=base_storage_dtype(cfg.lora.base_dtype, use_bf16),
+                               adapters=role_adapters(cfg))   # DMD2: the critic's too (shared_base.py)
             if self.is_main:
                 print(lora_summary(model, cfg.lora), flush=True)
         if cfg.memory.swap_blocks:   # the swapped blocks' frozen weights stay on the host
@@ -179,7 +180,7 @@ class Trainer:
         precompute_scales_after_step(self.optimizer, self.model)   # train.fp8 under FSDP2: one all-reduce
         self.scheduler = warmup_schedule(self.optimizer, tc.warmup_steps)
         self.state = TrainState(self.parallel, self.optimizer, self.scheduler, self.ema, self.sampler, lora_base)
-        self.distill = None if teacher is None else OBJECTIVES[cfg.distill.method](self, teacher)   # + its roles
+        self.distill = None if cfg.distill.method is None else OBJECTIVES[cfg.distill.method](self, teacher)   # + roles
         if self.distill is not None:
             self.state.roles = self.distill.roles()
 
