@@ -7,11 +7,10 @@ with full-weight roles and with shared-base LoRA roles (``lora.rank=64``).
 Every row is the recipe ``wan2.1-t2v-1.3b-finetune`` (480p x 81, bf16, memory.checkpointing=full,
 EMA off; its model.init_from is the teacher) with ``distill.method=dmd2`` and the row's levers that
 DMD2 takes: checkpointing (the recipe's), 8-bit AdamW (student and critic), activation offload.
-FSDP, TP and SP are refused by DMD2 (its roles are full replicas), so 8 GPUs is DDP
-(``parallel.dp_shard=1 parallel.dp_replicate=8``). Features cached (``--encoders-cached``; umT5-XXL on the GPU would add
+8 GPUs is DDP (``parallel.dp_shard=1 parallel.dp_replicate=8``: every role whole on each GPU) or
+FSDP2 (``parallel.dp_shard=8``: every role sharded like the student). Features cached (``--encoders-cached``; umT5-XXL on the GPU would add
 ~10.6 GiB). Each cell: the largest batch per GPU, or 0 and the batch-1 peak. Offline: nothing is
-loaded but the config. Under each model: the state alone and, for what does not fit, the fewest
-GPUs its state would need if its roles were sharded (not wired into DMD2 yet).
+loaded but the config. Under each table: its least batch-1 peak and the state in it.
 """
 
 from __future__ import annotations
@@ -33,7 +32,8 @@ LEVERS = [("AdamW (recipe)", []), ("8-bit AdamW", ["train.optimizer=adamw8bit"])
 # frozen bf16 weights; 8-bit moments save little on adapters.
 SHARED_BASE = ["lora.rank=64"]
 SHARED_BASE_LEVERS = [("AdamW (recipe)", []), ("offload", ["memory.offload=true"])]
-LAYOUTS = [(1, []), (8, ["parallel.dp_shard=1", "parallel.dp_replicate=8"])]
+LAYOUTS = [(1, [], ""), (8, ["parallel.dp_shard=1", "parallel.dp_replicate=8"], "DDP"),
+           (8, ["parallel.dp_shard=8"], "FSDP2")]
 
 
 def command(overrides: list[str], gpus: int) -> str:
@@ -47,27 +47,13 @@ def state_bytes(e) -> int:
     return e.peak - e.activations - e.temporaries - e.passes - e.encoders
 
 
-def sharded_need(model: list[str], size: int) -> tuple[int, int] | None:
-    """The fewest GPUs over which DMD2 would fit at batch 1 if its roles were sharded as a plain
-    run's are (FSDP2 over every GPU, 8-bit AdamW, offload): the plain run's estimate on that layout plus the
-    critic's weights and moments and the teacher's weights divided among the GPUs; None above 64."""
-    plain = [o for o in model if not o.startswith("distill.")] + ["train.optimizer=adamw8bit", "memory.offload=true"]
-    for gpus in (2, 4, 8, 16, 32, 64):
-        planner = planner_from_config(load_config(RECIPE, plain), size * GIB, world_size=gpus, encoder_bytes=0)
-        e = planner.estimate(1, *SHAPE)
-        roles = (planner.counts.num_params * 4 * 2 + e.optimizer * gpus) / gpus   # critic + teacher weights, moments
-        if e.peak + roles <= planner.budget:
-            return gpus, int(e.peak + roles)
-    return None
-
-
 def table(name: str, model: list[str], levers: list[tuple[str, list[str]]], roles: str) -> None:
     print(f"\n**{name}, DMD2 ({roles}), 480p x 81, bf16, full checkpointing**\n")
     print("| levers | GPUs | batch-1 peak GiB | max batch 24 GiB | 48 GiB | 80 GiB |")
     print("|---|---|---:|---:|---:|---:|")
     commands, smallest = [], None
     for label, lever in levers:
-        for gpus, layout in LAYOUTS:
+        for gpus, layout, label_layout in LAYOUTS:
             overrides = model + lever + layout
             cfg = load_config(RECIPE, overrides)
             cells, peak = [], None
@@ -78,18 +64,11 @@ def table(name: str, model: list[str], levers: list[tuple[str, list[str]]], role
                 cells.append(str(planner.max_batch(*SHAPE)))
                 if smallest is None or e.peak < smallest.peak:
                     smallest = e
-            print(f"| {label} | {gpus} | {peak:.1f} | " + " | ".join(cells) + " |")
+            print(f"| {label} | {gpus} {label_layout} | {peak:.1f} | " + " | ".join(cells) + " |")
             commands.append(command(overrides, gpus))
     e = smallest
     print(f"\nleast batch-1 peak: {e.peak / GIB:.1f} GiB, of which state (student, critic, teacher) "
           f"{state_bytes(e) / GIB:.1f} GiB, graded pass {(e.activations + e.temporaries + e.passes) / GIB:.1f} GiB")
-    for size in GPU_SIZES if not e.detail.get("shared_base") else ():
-        if e.peak > size * GIB * 0.9:
-            need = sharded_need(model, size)
-            sharded = "nor with its roles sharded over 64 GPUs" if need is None else (
-                f"with its three roles FSDP-sharded (not wired into DMD2 yet) it would need {need[0]} GPUs "
-                f"(batch-1 peak {need[1] / GIB:.1f} GiB, 8-bit AdamW + offload)")
-            print(f"  {size} GiB: does not fit on one GPU or under DDP; {sharded}")
     print("\nthe rows' commands (the cells: --gpu-mem 24GiB, 48GiB, 80GiB):")
     print("\n".join(f"    {c}" for c in commands))
 

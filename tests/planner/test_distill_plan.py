@@ -65,6 +65,14 @@ def test_a_shared_base_lora_run_holds_one_base_and_two_adapters(toy_dir):
     assert dmd2.detail["num_params_held"] == dmd2.detail["num_params"]
 
 
+def test_a_trajectory_run_holds_its_teacher_unless_it_reads_its_trajectories(toy_dir):
+    plain = planner(toy_dir).estimate(*SHAPE)
+    online, cached = (planner(toy_dir, **{"distill.method": "trajectory", "distill.teacher": "t", **extra}).estimate(*SHAPE)
+                      for extra in ({}, {"distill.trajectories": "/trajectories"}))
+    assert online.peak - plain.peak == online.teacher == plain.params   # the fp32 teacher beside the student
+    assert cached.peak == plain.peak and cached.teacher == 0
+
+
 def test_plan_prints_each_role_on_its_own_line(toy_dir, capsys):
     overrides = tiny_overrides(toy_dir, **WAN, **DMD2, **{"distill.teacher": "t"})
     assert main(["plan", "tiny", *overrides, "--gpu-mem", "1GiB"]) == 0
@@ -75,13 +83,16 @@ def test_plan_prints_each_role_on_its_own_line(toy_dir, capsys):
     assert labels[0] == "student weights" and labels[-1] == "peak (the sum)" and len(labels) == 13
     assert {"critic weights", "critic optimizer", "teacher weights (frozen)"} <= set(labels)
 
-@pytest.mark.parametrize("extra, words", [
-    ({"parallel.dp_shard": -1}, "parallel.dp_shard=1 parallel.dp_replicate=2"),   # FSDP over both GPUs
-    ({"parallel.sp": 2, "parallel.dp_shard": 1}, "FSDP2, TP, SP and pipelines are not wired"),
-])
-def test_plan_refuses_the_layouts_dmd2_refuses(toy_dir, extra, words):
-    with pytest.raises(UserError, match=words):
+@pytest.mark.parametrize("extra", [{"parallel.tp": 2}, {"parallel.pp": 2}])
+def test_plan_refuses_the_layouts_dmd2_refuses(toy_dir, extra):
+    with pytest.raises(UserError, match="set parallel.tp=1 parallel.pp=1"):
         planner(toy_dir, 2, **DMD2, **{"distill.teacher": "t"}, **extra)
+
+
+def test_under_fsdp2_each_role_is_sharded_like_the_student(toy_dir):
+    one, two = (planner(toy_dir, world, **DMD2, **{"distill.teacher": "t"}).estimate(*SHAPE) for world in (1, 2))
+    assert two.critic_params == two.teacher == 4 * two.detail["params_per_gpu"] < one.teacher
+    assert two.critic_optimizer == two.optimizer < one.optimizer
 
 
 @pytest.fixture(scope="module")

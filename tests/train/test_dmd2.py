@@ -106,6 +106,7 @@ def test_dmd2_distils_every_flow_matching_family(toy_dir, tmp_path, family):
     ({"parallel.pp": 2}, "set parallel.pp=1"),
     ({"lora.rank": 4, "model.init_from": "/elsewhere"}, "is not distill.teacher"),
     ({"distill.score_t_range": "[0.9,0.1]"}, "low < high"),
+    ({"distill.trajectories": "/trajectories"}, "does not read them"),
     ({"model.preset": "ltx2-tiny"}, "LTX-2's objective"),
 ])
 def test_what_dmd2_refuses_is_named_in_one_line(toy_dir, dmd2_teacher, tmp_path, capsys, extra, words):

@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from videodit.cli import cache, ckpt, data, plan, run
+from videodit.cli import cache, ckpt, data, distill, plan, run
 from videodit.errors import UserError, os_error_message
 
 
@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="videodit", description="Train and sample Open-Sora-style video "
                                      "diffusion transformers.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for commands in (run, plan, data, cache, ckpt):   # the order of `videodit --help`
+    for commands in (run, plan, data, cache, distill, ckpt):   # the order of `videodit --help`
         commands.register(sub)
     return parser
 

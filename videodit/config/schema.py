@@ -419,6 +419,9 @@ class DistillConfig:
                        above=0.0)
     teacher_substeps: int = opt(8, "trajectory: the teacher's guided Euler steps between successive student steps "
                                 "(4 student steps x 8 = a 32-step teacher trajectory)", min=1, max=1000)
+    trajectories: Optional[str] = opt(None, "trajectory: a folder of the teacher's trajectories computed once by "
+                                      "`videodit distill trajectories CONFIG --out DIR`, regressed on in place of "
+                                      "the batches' samples; null: the teacher runs within each step")
     renoise: bool = opt(True, "the student's sampler starts each step from its x0 with fresh noise (LCM-style, as "
                         "trained); false: Euler steps along the ODE")
     teacher_cfg: float = opt(4.0, "the teacher's guidance in the Ho-Salimans form, uncond + w (cond - uncond); "

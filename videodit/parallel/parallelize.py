@@ -191,7 +191,7 @@ def parallelize(model: nn.Module, ctx: DistContext, cfg: ParallelConfig, *, memo
     module = model
     if dims.data_parallel in ("fsdp", "hsdp"):
         apply_fsdp([part for _, part in stacks], stages, ctx, cfg, param_dtype=autocast_dtype)
-    elif dims.data_parallel == "ddp":
+    elif dims.data_parallel == "ddp" and any(p.requires_grad for p in model.parameters()):   # a frozen model: none
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # Swapped weights are frozen and identical on every rank; broadcasting them would read them whole.
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, swapped)

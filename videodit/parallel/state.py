@@ -109,9 +109,12 @@ def _model_options(model: nn.Module, **options) -> StateDictOptions:
     return StateDictOptions(**options)
 
 
-def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer state keyed by parameter name (unsharded runs only)."""
-    return get_optimizer_state_dict(model, optimizer)
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, whole: bool = False) -> dict:
+    """The optimizer state keyed by parameter name (of unsharded runs); ``whole``: gathered from
+    every rank's shards onto rank 0 (a collective: every rank calls it; the others get {})."""
+    if not whole:
+        return get_optimizer_state_dict(model, optimizer)
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:

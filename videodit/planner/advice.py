@@ -93,7 +93,7 @@ def fixes(planner) -> Iterator[Fix]:
         yield Fix(f"{' with '.join(said)} with memory.checkpointing=full", lever_settings + full_settings,
                   {"memory": full, "levers": dict(levers)}, world)
     fill = ("parallel.dp_shard=-1",) if cfg is not None and cfg.parallel.dp_shard != -1 else ()
-    for sp in (2, 4, 8, 16) if planner.distill is None else ():   # DMD2: no SP yet
+    for sp in (2, 4, 8, 16):
         # On the same GPUs (FSDP shards over dp_shard x sp, a fixed number), or on sp GPUs
         # where there is one: the default dp_shard=-1 then shards over the SP ranks.
         same_gpus = p.shard > 1
@@ -142,7 +142,7 @@ def on_more_gpus(planner, buckets) -> tuple[Fix, int] | None:
     """The smallest multiple of the GPUs given (up to MAX_SUGGESTED_WORLD) on which ``buckets``
     take batch 1 without a host-memory lever, else with one: the config's layout with FSDP over
     every rank (``parallel.dp_shard=-1``), plus the cheapest change it still needs."""
-    if planner.config is None or planner.distill is not None:   # DMD2: full replicas, more GPUs do not help
+    if planner.config is None:
         return None
     cfg = planner.config
     grown = []

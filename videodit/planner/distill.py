@@ -1,18 +1,18 @@
 """A DMD2 run's memory by role (``distill.method=dmd2``, ``train/dmd2.py``), on top of the plain
 estimate of its student (``estimate.py``).
 
-A DMD2 run holds three whole models on every GPU (DMD2 runs on one process or under DDP only:
-no FSDP, TP, SP or pipeline, so nothing is divided among GPUs; 8 GPUs hold what 1 does plus
-DDP's gradient buckets, 4 bytes per parameter for each trained role):
+A DMD2 run holds three models, each laid out as the student is (DDP, FSDP2/HSDP shards, SP; not
+TP or pipelines): under DDP every GPU holds all three whole plus DDP's gradient buckets, 4 bytes
+per parameter for each trained role; under FSDP2 each holds its shard of each:
 
 * the **student**, the run's own model: fp32 weights, gradients, AdamW state, EMA (when
   ``train.ema_decay > 0``) and, under DDP, its reducer's gradient buckets: the plain estimate's terms;
 * the **critic**, a trained copy of the teacher: fp32 weights, AdamW state (``train.optimizer``'s
-  kind) and DDP buckets; no EMA. Its gradients are made after the student's are freed (the
+  kind) and DDP buckets; no EMA; as many per GPU as the student's. Its gradients are made after the student's are freed (the
   student's optimizer steps and zeroes them, ``set_to_none``, before the critic's forward), so one
   set of gradients is alive at a time: the critic's gradient term is 0, the student's counts it;
 * the frozen **teacher**: weights only, in the run's storage dtype (a deep copy of the model
-  before any parallelism: fp32, also under bf16 autocast).
+  before any parallelism: fp32, also under bf16 autocast), sharded like the student's.
 
 With ``lora.rank`` (shared-base LoRA, ``train/shared_base.py``) the three are one model: the
 student's estimate already holds the frozen base (in ``lora.base_dtype``) and its adapter; the
@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from videodit.errors import UserError
 from videodit.planner.estimate import Estimate
 
-# train/dmd2.py's FULL_REPLICAS, in the planner's words (the planner imports no runtime code).
-REFUSED_LAYOUT = ("distill.method=dmd2 runs on one process or under DDP for now (parallel.dp_shard=1, tp=1, sp=1, "
-                  "pp=1); FSDP2, TP, SP and pipelines are not wired into its roles yet")
+# train/dmd2.py's refusals, in the planner's words (the planner imports no runtime code).
+REFUSED_LAYOUT = ("distillation (distill.method) runs under DDP, FSDP2/HSDP and SP; tensor parallelism and pipelines "
+                  "are not wired into its roles: set parallel.tp=1 parallel.pp=1")
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,13 @@ class Distill:
     teacher_cfg: float = 4.0      # != 1: the teacher also runs unconditioned (time, not memory)
     generator_every: int = 5
     shared_base: bool = False     # lora.rank: the roles are adapters of one frozen model
+    cached: bool = False          # trajectory runs reading distill.trajectories: no teacher is held
 
     def describe(self) -> str:
         held = {("trajectory", False): "2 models per GPU", ("dmd2", False): "3 models per GPU"}.get(
             (self.method, self.shared_base), "one shared base per GPU")
+        if self.cached:
+            held = "its trajectories read from distill.trajectories, no teacher held"
         if self.method == "trajectory":
             return f"trajectory distillation: student trained, teacher frozen ({held}); teacher cfg {self.teacher_cfg:g}"
         return (f"DMD2: student + critic trained, teacher frozen ({held}); teacher cfg "
@@ -64,40 +67,41 @@ def distill_from_config(cfg) -> Distill | None:
     d = cfg.distill
     if d.method is None:
         return None
-    return Distill(d.method, d.teacher_cfg, d.generator_every, bool(cfg.lora.rank))
+    return Distill(d.method, d.teacher_cfg, d.generator_every, bool(cfg.lora.rank),
+                   d.method == "trajectory" and bool(d.trajectories))
 
 
 def check_distill_layout(cfg, parallel, world_size: int) -> None:
-    """The layouts DMD2 refuses (``train/dmd2.py``), refused here in one line too: every role
-    is a full replica on every GPU."""
+    """The layouts distillation refuses (``train/dmd2.py``), refused here in one line too."""
     p = cfg.parallel
     if cfg.distill.method is None:
         return
-    if p.pp > 1 or p.tp > 1 or p.sp > 1 or parallel.shard > 1 or p.dp_shard > 1:
-        more = (f" (on {world_size} GPUs parallel.dp_shard=-1 shards over them: for DDP set parallel.dp_shard=1 "
-                f"parallel.dp_replicate={world_size})") if p.dp_shard == -1 and parallel.shard > 1 else ""
-        raise UserError(REFUSED_LAYOUT + more)
+    if p.pp > 1 or p.tp > 1:
+        raise UserError(REFUSED_LAYOUT)
     if cfg.model.expert == "both" or cfg.diffusion.mask_ratios is not None or cfg.memory.swap_blocks:
         raise UserError("distill.method=dmd2 does not take model.expert=both, diffusion.mask_ratios or "
                         "memory.swap_blocks yet; distil one expert per run without frame masks or block swapping")
 
 
 def dmd2_estimate(student: Estimate, critic_pass: Estimate, num_params: int, precision_low_bytes: int,
-                  with_critic: bool = True) -> Estimate:
+                  with_critic: bool = True, teacher_held: bool = True) -> Estimate:
     """The DMD2 step's bytes per GPU: ``student``, the plain estimate of the run's model (its
     state, the graded pass's activations and transients); ``critic_pass``, the same step as the
     critic runs it (no train.fp8 conversion: otherwise equal to ``student``); ``num_params``: the
     model's parameters (whole on every GPU). ``with_critic`` False: trajectory distillation
-    (``train/trajectory.py``), the student and the frozen teacher only. A LoRA ``student``
+    (``train/trajectory.py``), the student and the frozen teacher only (``teacher_held`` False: not
+    even that, its trajectories are read from disk). A LoRA ``student``
     (``lora.rank``): the roles share its base (``train/shared_base.py``), so the teacher adds
     nothing and the critic is one more adapter, the size of the student's."""
     shared = "adapter_params" in student.detail
-    # The roles' own weights: a whole fp32 model each, or on a shared base one fp32 adapter.
-    role_weights = student.grads if shared else num_params * 4
-    teacher = 0 if shared else num_params * 4   # full weights: fp32 (train/dmd2.py copies the model)
+    # The roles' own weights, laid out as the student's: an fp32 model each (whole, or this GPU's
+    # FSDP2 shard), or on a shared base one fp32 adapter.
+    local = student.detail["params_per_gpu"]
+    role_weights = student.grads if shared else local * 4
+    teacher = 0 if shared or not teacher_held else local * 4   # full weights: fp32 (a copy of the model)
     held = {"distill": "dmd2" if with_critic else "trajectory", "shared_base": shared}
     if not with_critic:
-        detail = {**student.detail, **held, "num_params_held": (1 if shared else 2) * num_params}
+        detail = {**student.detail, **held, "num_params_held": (1 if shared or not teacher_held else 2) * num_params}
         return dataclasses.replace(student, detail=detail, teacher=teacher)
     trained = role_weights // 4
     critic_cache = trained * precision_low_bytes if precision_low_bytes < 4 else 0   # bf16 autocast cache

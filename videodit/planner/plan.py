@@ -194,7 +194,7 @@ class Planner:
         # The critic is not converted by train.fp8: its graded pass is the plain one without it.
         critic = plain(dataclasses.replace(levers, fp8_compute=False)) if levers.fp8_compute else student
         return dmd2_estimate(student, critic, self.counts.num_params, Precision(self.bf16).low_bytes,
-                             with_critic=self.distill.method == "dmd2")
+                             with_critic=self.distill.method == "dmd2", teacher_held=not self.distill.cached)
 
     def max_batch(self, num_frames: int, height: int, width: int, **changes) -> int:
         """The largest batch (a multiple of ``batch_multiple``) under the budget; 0 if none."""

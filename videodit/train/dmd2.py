@@ -40,8 +40,8 @@ from videodit.train.optimizer import build_optimizer, warmup_schedule
 from videodit.train.shared_base import CRITIC, AdapterRole, frozen_base
 from videodit.train.state import Role, init_weights_from
 
-FULL_REPLICAS = ("distillation (distill.method) runs on one process or under DDP for now (parallel.dp_shard=1, tp=1, sp=1); "
-                 "FSDP2, TP and SP are not wired into its roles yet")
+NO_TP = ("distillation (distill.method) runs under DDP, FSDP2/HSDP and SP; tensor parallelism is not wired into its "
+         "roles yet: set parallel.tp=1")
 
 
 def check_distillation(cfg: Config) -> None:
@@ -55,8 +55,8 @@ def check_distillation(cfg: Config) -> None:
     if p.pp > 1:
         raise UserError(f"distill.method={d.method} runs several forwards of three models per step, which no pipeline "
                         "schedule holds: set parallel.pp=1")
-    if p.dp_shard > 1 or p.tp > 1 or p.sp > 1:
-        raise UserError(FULL_REPLICAS)
+    if p.tp > 1:
+        raise UserError(NO_TP)
     if cfg.lora.rank and d.teacher and cfg.model.init_from and cfg.model.init_from != d.teacher:
         raise UserError(f"distill.method={d.method} with lora.rank trains adapters on the teacher's own weights "
                         f"(a shared base): model.init_from={cfg.model.init_from} is not distill.teacher; leave "
@@ -67,6 +67,9 @@ def check_distillation(cfg: Config) -> None:
     if objective_name(get_spec(cfg.model.family)) != "flow" or cfg.diffusion.condition_config is not None:
         raise UserError(f"distill.method={d.method} distils flow-matching text-to-video models (STDiT, Wan, Open-Sora 2.0 "
                         "without diffusion.condition_config); LTX-2's objective and given frames are not wired yet")
+    if d.trajectories and d.method != "trajectory":
+        raise UserError(f"distill.trajectories holds a trajectory run's teacher trajectories; distill.method={d.method} "
+                        "does not read them: remove distill.trajectories (or set distill.method=trajectory)")
     if d.score_t_range[0] >= d.score_t_range[1]:
         raise UserError(f"distill.score_t_range={d.score_t_range} must be [low, high] with low < high")
 
@@ -74,8 +77,9 @@ def check_distillation(cfg: Config) -> None:
 def distillation_teacher(cfg: Config, model: torch.nn.Module, vae, text) -> torch.nn.Module | None:
     """The frozen teacher of a full-weight distillation run: a copy of the student's starting
     weights (``model``), or ``distill.teacher``'s where the student starts elsewhere. None for
-    other runs, and for a shared-base LoRA run, whose teacher is its own base (``shared_base.py``)."""
-    if cfg.distill.method is None or cfg.lora.rank:
+    other runs, for a shared-base LoRA run, whose teacher is its own base (``shared_base.py``),
+    and where the teacher's trajectories are read from ``distill.trajectories``."""
+    if cfg.distill.method is None or cfg.lora.rank or cfg.distill.trajectories:
         return None
     source = cfg.distill.teacher
     if source is None or source == cfg.model.init_from:
@@ -92,14 +96,14 @@ class StudentObjective:
 
     def __init__(self, trainer, teacher: torch.nn.Module | None):
         cfg = trainer.cfg
-        if trainer.ctx.dims.data_parallel not in ("none", "ddp"):   # dp_shard=-1 shards over every rank
-            raise UserError(FULL_REPLICAS)
         self.trainer, self.cfg, self.d = trainer, cfg, cfg.distill
         self.schedule = StudentSchedule.of(cfg)
         self.sigmas = self.schedule.sigmas.tolist()
-        self.shared_base = teacher is None   # lora.rank: every role is the run's model (shared_base.py)
-        self.teacher = (frozen_base(trainer.parallel) if self.shared_base
-                        else teacher.requires_grad_(False).eval().to(trainer.device))
+        self.shared_base = bool(cfg.lora.rank)   # every role is the run's model (shared_base.py)
+        if self.shared_base:
+            self.teacher = frozen_base(trainer.parallel)
+        else:   # None: trajectories read from distill.trajectories, no teacher is run
+            self.teacher = None if teacher is None else self._parallel(teacher, frozen=True).module
         self.negative = None if trainer.text is None else negative_condition(trainer.text, cfg.sample.negative_prompt)
         self.spec = trainer.spec
         self.last: dict = {}
@@ -107,6 +111,15 @@ class StudentObjective:
     def roles(self) -> dict[str, Role]:
         """The trained roles besides the student, for ``TrainState`` (none here)."""
         return {}
+
+    def _parallel(self, model: torch.nn.Module, frozen: bool):
+        """A full-weight role with the student's layout (FSDP2 shards, SP, checkpointing): the
+        frozen teacher, or a trained copy (DMD2's critic). Built from the teacher as it was read,
+        before anything of the student's layout touched it."""
+        trainer, cfg = self.trainer, self.trainer.cfg
+        model = model.requires_grad_(not frozen).train(not frozen).to(trainer.device)
+        return parallelize(model, trainer.ctx, cfg.parallel, memory=cfg.memory, loss_fn=trainer.flow.loss,
+                           autocast_dtype=trainer.parallel.autocast_dtype)
 
     def metrics(self) -> dict:
         return dict(self.last)
@@ -168,14 +181,13 @@ class DMD2(StudentObjective):
     """DMD2: the student, its critic (a second trained role) and the frozen teacher."""
 
     def __init__(self, trainer, teacher: torch.nn.Module | None):
+        critic = None if teacher is None else copy.deepcopy(teacher)   # before the teacher gets its layout
         super().__init__(trainer, teacher)
         cfg, tc = trainer.cfg, trainer.cfg.train
         if self.shared_base:   # the critic's adapter, beside the student's on the one model
             self.critic = AdapterRole(trainer.parallel, CRITIC)
         else:
-            self.critic = parallelize(copy.deepcopy(self.teacher).requires_grad_(True).train(), trainer.ctx,
-                                      cfg.parallel, memory=cfg.memory, loss_fn=trainer.flow.loss,
-                                      autocast_dtype=trainer.parallel.autocast_dtype)
+            self.critic = self._parallel(critic, frozen=False)
         critic_tc = dataclasses.replace(tc, lr=self.d.critic_lr if self.d.critic_lr is not None else tc.lr,
                                         betas=list(self.d.critic_betas))
         self.critic_adapter = CRITIC if self.shared_base else ADAPTER

@@ -63,7 +63,7 @@ class TrainState:
         self.optimizer, self.scheduler, self.ema, self.sampler = optimizer, scheduler, ema, sampler
         self.progress = Progress()
         self.lora_base = lora_base   # a LoRA run's base (checkpoint/lora.py), recorded in state.json
-        self.roles: dict[str, Role] = {}   # the objective's other trained roles (train/dmd2.py); never sharded
+        self.roles: dict[str, Role] = {}   # the objective's other trained roles (train/dmd2.py), saved whole
 
     def gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The whole model's tensors on rank 0 from every rank's shards and stages (a collective)."""
@@ -81,8 +81,10 @@ class TrainState:
         tensors = {"model": self.gather(saved_state(self.model))}   # a LoRA run: the adapters
         if self.ema is not None:
             tensors["ema"] = self.gather(self.ema.state_dict())
+        role_moments = {}   # gathered whole on every rank alike (collectives) where the roles are sharded
         for name, role in self.roles.items():
             tensors[name] = self.gather(saved_state(role.parallel.local_model, role.adapter))
+            role_moments[name] = optimizer_state(role.parallel.local_model, role.optimizer, whole=self.parallel.sharded)
         self._check_finite(tensors)
         ema_shards = self.ema.state_dict() if self.ema is not None else None
         sharded = self.parallel.sharded
@@ -111,7 +113,7 @@ class TrainState:
             json_state["lora_base"] = self.lora_base
         torch_states = {} if sharded else {"optimizer": plain_moments(optimizer_state(self.model, self.optimizer))}
         for name, role in self.roles.items():
-            torch_states[f"{name}_optimizer"] = plain_moments(optimizer_state(role.parallel.local_model, role.optimizer))
+            torch_states[f"{name}_optimizer"] = plain_moments(role_moments[name])
             json_state.setdefault("roles", {})[name] = {"scheduler": scheduler_state(role.scheduler)}
         path = manager.save(progress.step, tensors=tensors, torch_states=torch_states, json_state=json_state,
                             config_yaml=config_yaml, metrics=metrics, blocking=blocking,
