@@ -378,3 +378,42 @@ def test_comfyui_single_file_is_what_comfyui_builds(tmp_path, capsys):
     assert main(["ckpt", "export", str(small), str(tmp_path / "no"), "--format", "comfyui"]) == 2
     err = capsys.readouterr().err.strip()
     assert "head_dim=16 (ComfyUI assumes 128)" in err and "\n" not in err and not (tmp_path / "no").exists()
+
+
+# ----------------------------------------------------------------------------- a distilled LoRA
+
+
+def test_a_distilled_lora_samples_its_four_steps_in_diffusers_as_videodits_student_sampler(wan, tmp_path):
+    """A shared-base LoRA DMD2 run on the pipeline's base (``train/shared_base.py``): its student's
+    adapters, exported for diffusers and loaded with ``load_lora_weights``, sample the student's 4
+    re-noised steps at cfg 1 as videodit's distilled sampler does, within the issue's 1e-5."""
+    from videodit.distill.schedule import StudentSchedule
+    from videodit.sample import Pipeline
+
+    run, out = tmp_path / "dmd2", tmp_path / "dmd2-diffusers"
+    distill = {**LORA, "distill.method": "dmd2", "distill.generator_every": 1, "train.deterministic": True}
+    Trainer(load_config("tiny", wan["overrides"] + [f"model.init_from={wan['base']}",
+                                                     *(f"{k}={v}" for k, v in distill.items())]), run).fit()
+    # --ema: the weights videodit's own sampler (``Pipeline``) takes
+    assert main(["ckpt", "export", str(run), str(out), "--lora-format", "diffusers", "--ema"]) == 0
+    assert "4 steps" in (out / "SAMPLING.md").read_text()
+    pipe = diffusers_pipeline(wan)
+    pipe.load_lora_weights(str(out), weight_name="pytorch_lora_weights.safetensors")
+    ours = Pipeline(run, device="cpu")
+    schedule = StudentSchedule.of(ours.cfg)
+    assert len(schedule.steps) == 4 and schedule.renoise
+
+    g = torch.Generator().manual_seed(5)
+    context = torch.zeros(1, 512, 16)
+    context[:, :6] = torch.randn(1, 6, 16, generator=g)
+    noise = torch.randn(1, 4, 2, 8, 8, generator=g)
+    fresh = [torch.randn(1, 4, 2, 8, 8, generator=g) for _ in schedule.steps]
+
+    def sample(velocity):
+        with torch.no_grad():
+            return schedule.sample(velocity, noise, lambda i: fresh[i])
+    theirs = sample(lambda x, t: pipe.transformer(x, t * 1000, context).sample)   # diffusers' timesteps: 1000 t
+    student = sample(lambda x, t: ours.model(x, t, context))
+    teacher = sample(lambda x, t: load_pretrained(wan["base"]).eval()(x, t, context))
+    assert relative(student, teacher) > 1e-4   # the distilled adapters change the samples (10x the bound)
+    assert relative(theirs, student) <= 1e-5

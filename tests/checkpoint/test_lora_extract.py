@@ -235,7 +235,7 @@ def test_keys_load_through_comfyuis_key_logic_and_rebuild_the_student(world, cap
 
 def test_the_sampler_note_is_written_for_a_distilled_run_only(world, capsys):
     out, _, printed = extract(world, "distilled", 8, capsys)
-    schedule = StudentSchedule(steps=(1000, 500), shift=5.0, renoise=True)
+    schedule = StudentSchedule(steps=(1000, 750, 500, 250), shift=5.0, renoise=True)   # lightx2v's 4 steps
     note = (out / "SAMPLING.md").read_text()
     assert schedule.describe() in note and schedule.describe() in printed
     assert "sigmas: 1.0000, 0.8333, then 0" in note and "cfg: 1" in note and str(world["base"]) in note
@@ -249,7 +249,7 @@ def test_a_distilled_runs_whole_export_carries_its_sampler_note(world):
     from videodit.checkpoint.convert import export_released
 
     fmt = "wan"
-    schedule = StudentSchedule(steps=(1000, 500), shift=5.0, renoise=True)
+    schedule = StudentSchedule(steps=(1000, 750, 500, 250), shift=5.0, renoise=True)   # lightx2v's 4 steps
     out = export_released(world["distilled"] / "checkpoints" / "step-0000001", world["root"] / f"whole-{fmt}", fmt,
                           use_ema=True)
     assert schedule.describe() in (out / "SAMPLING.md").read_text()
@@ -265,8 +265,9 @@ def test_diffusers_loads_the_file_but_drops_the_norm_modulation_and_patch_embedd
     lora_down and ``diff_b`` (as lora_B.bias) of the blocks' linears, the time / text embedders, the time
     projection and the head (``head.head.diff`` as lora_A with an identity lora_B); it drops every norm's
     diff and diff_b, and every other ``.diff`` (patch_embedding, the modulations) with a log line only.
-    So its 2-step student sample equals videodit's student sampler where those tensors stay the base's,
-    and not the whole student."""
+    So its 4-step student sample equals videodit's student sampler where those tensors stay the base's,
+    and not the whole student. (A shared-base LoRA student trains Linear layers only, which diffusers
+    loads whole: ``test_lora_export.py``'s distilled-LoRA test.)"""
     from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 
     from videodit.models.wan import layouts
@@ -286,7 +287,7 @@ def test_diffusers_loads_the_file_but_drops_the_norm_modulation_and_patch_embedd
     whole = get_spec("wan").build(world["geometry"]).eval()
     whole.load_state_dict(student)
 
-    schedule = StudentSchedule(steps=(1000, 500), shift=5.0, renoise=True)
+    schedule = StudentSchedule(steps=(1000, 750, 500, 250), shift=5.0, renoise=True)   # lightx2v's 4 steps
     g = torch.Generator().manual_seed(3)
     noise, context = torch.randn(1, 3, 2, 8, 8, generator=g), torch.randn(1, 8, 64, generator=g)
     fresh = [torch.randn(1, 3, 2, 8, 8, generator=g) for _ in schedule.steps]
@@ -295,8 +296,8 @@ def test_diffusers_loads_the_file_but_drops_the_norm_modulation_and_patch_embedd
         with torch.no_grad():
             return schedule.sample(velocity, noise, lambda i: fresh[i])
     theirs = sample(lambda x, t: transformer(x, t * 1000, context).sample)   # diffusers' timesteps: 1000 t
-    assert_close(theirs, sample(lambda x, t: partial(x, t, context)), MERGED, "diffusers against the student "
-                 "less what diffusers drops")
+    assert_close(theirs, sample(lambda x, t: partial(x, t, context)), 1e-5, "diffusers against the student "
+                 "less what diffusers drops (the issue's bound)")
     assert relative(theirs, sample(lambda x, t: whole(x, t, context))) > 1e-4   # the dropped diffs matter
 
 
