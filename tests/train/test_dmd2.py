@@ -87,12 +87,15 @@ FAMILIES = {
     "mmdit": {"model.preset": "mmdit-tiny", "model.hidden_size": 64, "model.patch_size": "[1,2,2]", "text.dim": 32,
               "diffusion.shift_rule": "opensora2", "diffusion.sigma_min": 1e-5, "diffusion.prediction": "velocity",
               "diffusion.loss_space": "velocity"},
+    # LTX-2's video stream: its objective's noising is rectified flow's at first_frame_p 0 (text-to-video)
+    "ltx2": {"model.preset": "ltx2-tiny", "model.patch_size": "[1,1,1]", "text.dim": 32, "data.height": 8,
+             "data.width": 8, "diffusion.prediction": "velocity", "diffusion.loss_space": "velocity"},
 }
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_dmd2_distils_every_flow_matching_family(toy_dir, tmp_path, family):
-    """Wan (its negative-prompt branch) and Open-Sora 2.0's MMDiT, as STDiT above: both roles move."""
+    """Wan (its negative-prompt branch), Open-Sora 2.0's MMDiT and LTX-2, as STDiT above: both roles move."""
     teacher = random_model_folder(tiny_overrides(toy_dir, **FAMILIES[family]), tmp_path / "teacher")
     run = tmp_path / "run"
     Trainer(load_config("tiny", dmd2_overrides(toy_dir, teacher, **FAMILIES[family], **{
@@ -107,7 +110,7 @@ def test_dmd2_distils_every_flow_matching_family(toy_dir, tmp_path, family):
     ({"lora.rank": 4, "model.init_from": "/elsewhere"}, "is not distill.teacher"),
     ({"distill.score_t_range": "[0.9,0.1]"}, "low < high"),
     ({"distill.trajectories": "/trajectories"}, "does not read them"),
-    ({"model.preset": "ltx2-tiny"}, "LTX-2's objective"),
+    ({"model.preset": "ltx2-tiny", "diffusion.first_frame_p": 0.5}, "given frames"),
 ])
 def test_what_dmd2_refuses_is_named_in_one_line(toy_dir, dmd2_teacher, tmp_path, capsys, extra, words):
     run = tmp_path / "run"
@@ -138,3 +141,41 @@ def test_trajectory_distillation_regresses_the_guided_teachers_ode_endpoint(toy_
     trainer.fit()   # two steps: the student moves off the teacher, its regression loss is logged
     assert not same(weights(dmd2_teacher), weights(tmp_path / "run" / "checkpoints" / "step-0000002"))
     assert "trajectory_loss" in (tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+def test_two_experts_are_distilled_each_on_its_own_side_of_the_boundary(toy_dir, tmp_path):
+    """Wan 2.2 A14B's layout (``model.expert=both``, boundary 0.75): the student's steps sit on both
+    sides (sigmas 1 and 0.625); each step trains the expert its exit step belongs to, and teacher
+    and critic score at timesteps on that side, pinned to it: only that expert's critic moves."""
+    from test_wan_experts import BOTH
+
+    teacher_run = tmp_path / "teacher"
+    Trainer(load_config("tiny", tiny_overrides(toy_dir, **{**BOTH, "train.max_steps": 1})), teacher_run).fit()
+    run = tmp_path / "run"
+    trainer = Trainer(load_config("tiny", dmd2_overrides(toy_dir, teacher_run / "checkpoints" / "step-0000001", **{
+        **BOTH, "distill.steps": "[1000,250]", "distill.generator_every": 1, "train.max_steps": 6,
+        "checkpoint.every_steps": 1, "train.ema_decay": 0})), run)
+    trainer.fit()
+    sides = []
+    for step in range(6):
+        expert = trainer.distill._expert_of(trainer.distill.sigmas[trainer.distill._exit_index(step)])
+        before = run / "checkpoints" / f"step-{step:07d}" if step else None
+        after = run / "checkpoints" / f"step-{step + 1:07d}"
+        for stem in ("model", "critic"):
+            old = weights(before, stem) if before else None
+            new = weights(after, stem)
+            if old is not None:
+                moved = {k.split(".")[0] for k in new if not torch.equal(new[k], old[k])}
+                assert moved == {f"{expert}_noise_model"}, (step, stem, moved)
+        sides.append(expert)
+    assert set(sides) == {"high", "low"}
+
+
+@pytest.mark.parametrize("within", [(0.75, 1.0), (0.0, 0.75)])
+def test_score_timesteps_on_one_side_are_the_draw_conditioned_on_it(within):
+    full = score_timesteps(200_000, (0.02, 0.98), 5.0, torch.Generator().manual_seed(0)).double()
+    side = score_timesteps(20_000, (0.02, 0.98), 5.0, torch.Generator().manual_seed(1), within).double()
+    assert bool(((side >= within[0]) & (side < within[1])).all())
+    inside = full[(full >= within[0]) & (full < within[1])]
+    for q in (0.1, 0.5, 0.9):   # the same distribution as the full draw's part on that side
+        assert abs(torch.quantile(side, q) - torch.quantile(inside, q)) < 0.01

@@ -14,6 +14,8 @@ agree when w = w' + 1 (Self-Forcing's ``guidance_scale 3`` is our 4).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 NORMALISERS = ("sample", "batch")
@@ -49,9 +51,18 @@ def dmd2_form(scale: float) -> float:
     return scale - 1
 
 
-def score_timesteps(n: int, t_range: tuple[float, float], shift: float, generator: torch.Generator) -> torch.Tensor:
+def score_timesteps(n: int, t_range: tuple[float, float], shift: float, generator: torch.Generator,
+                    within: tuple[float, float] | None = None) -> torch.Tensor:
     """The timesteps at which both scores see the student's sample: uniform on [0, 1), warped by
     ``shift``, clamped into ``t_range`` (Self-Forcing's draw on the 1000-grid, ``timestep_shift``,
-    then the clamp to [min_step, max_step])."""
+    then the clamp to [min_step, max_step]). ``within`` (lo, hi): the same draw conditioned on
+    lo <= t < hi, one expert's side of a two-expert model: uniform between the bounds' preimages
+    under the warp, then warped and clamped (into [lo, hi) too)."""
     u = torch.rand(n, generator=generator, dtype=torch.float64)
-    return (shift * u / (1 + (shift - 1) * u)).clamp(*t_range).float()
+    if within is not None:
+        lo, hi = (t / (shift - (shift - 1) * t) for t in within)   # the warp's inverse
+        u = lo + (hi - lo) * u
+    t = (shift * u / (1 + (shift - 1) * u)).clamp(*t_range)
+    if within is not None:
+        t = t.clamp(within[0], math.nextafter(within[1], 0.0))
+    return t.float()

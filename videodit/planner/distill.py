@@ -78,9 +78,9 @@ def check_distill_layout(cfg, parallel, world_size: int) -> None:
         return
     if p.pp > 1 or p.tp > 1:
         raise UserError(REFUSED_LAYOUT)
-    if cfg.model.expert == "both" or cfg.diffusion.mask_ratios is not None or cfg.memory.swap_blocks:
-        raise UserError("distill.method=dmd2 does not take model.expert=both, diffusion.mask_ratios or "
-                        "memory.swap_blocks yet; distil one expert per run without frame masks or block swapping")
+    if cfg.diffusion.mask_ratios is not None or cfg.memory.swap_blocks:
+        raise UserError("distillation does not take diffusion.mask_ratios or memory.swap_blocks yet; distil "
+                        "without frame masks or block swapping")
 
 
 def dmd2_estimate(student: Estimate, critic_pass: Estimate, num_params: int, precision_low_bytes: int,

@@ -17,6 +17,7 @@ so every rank runs the same number of forwards and a resumed run draws what the 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -32,6 +33,7 @@ from videodit.distill.schedule import StudentSchedule
 from videodit.errors import UserError
 from videodit.models.families import get_spec
 from videodit.models.spec import Conditions
+from videodit.models.wan.experts import high_noise
 from videodit.parallel.gradients import gradient_sync
 from videodit.parallel.parallelize import parallelize
 from videodit.sample import negative_condition
@@ -61,12 +63,17 @@ def check_distillation(cfg: Config) -> None:
         raise UserError(f"distill.method={d.method} with lora.rank trains adapters on the teacher's own weights "
                         f"(a shared base): model.init_from={cfg.model.init_from} is not distill.teacher; leave "
                         "model.init_from unset, or set lora.rank=0 to start a full-weight student elsewhere")
-    if cfg.model.expert == "both" or cfg.diffusion.mask_ratios is not None or cfg.memory.swap_blocks:
-        raise UserError(f"distill.method={d.method} does not take model.expert=both, diffusion.mask_ratios or "
-                        "memory.swap_blocks yet; distil one expert per run without frame masks or block swapping")
-    if objective_name(get_spec(cfg.model.family)) != "flow" or cfg.diffusion.condition_config is not None:
-        raise UserError(f"distill.method={d.method} distils flow-matching text-to-video models (STDiT, Wan, Open-Sora 2.0 "
-                        "without diffusion.condition_config); LTX-2's objective and given frames are not wired yet")
+    if cfg.model.expert in ("high", "low"):
+        raise UserError(f"distill.method={d.method} distils both experts of a two-expert model in one run (the "
+                        f"student's steps cross the boundary): set model.expert=both, not {cfg.model.expert}")
+    if cfg.diffusion.mask_ratios is not None or cfg.memory.swap_blocks:
+        raise UserError(f"distill.method={d.method} does not take diffusion.mask_ratios or memory.swap_blocks yet; "
+                        "distil without frame masks or block swapping")
+    if objective_name(get_spec(cfg.model.family)) not in ("flow", "ltx2") or cfg.diffusion.condition_config is not None \
+            or cfg.diffusion.first_frame_p:
+        raise UserError(f"distill.method={d.method} distils text-to-video models (STDiT, Wan, Open-Sora 2.0, LTX-2's "
+                        "video); given frames (diffusion.condition_config, diffusion.first_frame_p) are not wired yet: "
+                        "remove them")
     if d.trajectories and d.method != "trajectory":
         raise UserError(f"distill.trajectories holds a trajectory run's teacher trajectories; distill.method={d.method} "
                         "does not read them: remove distill.trajectories (or set distill.method=trajectory)")
@@ -106,6 +113,7 @@ class StudentObjective:
             self.teacher = None if teacher is None else self._parallel(teacher, frozen=True).module
         self.negative = None if trainer.text is None else negative_condition(trainer.text, cfg.sample.negative_prompt)
         self.spec = trainer.spec
+        self.expert: str | None = None   # DMD2 on two experts: the step's (dmd2.py, model.expert=both)
         self.last: dict = {}
 
     def roles(self) -> dict[str, Role]:
@@ -118,7 +126,7 @@ class StudentObjective:
         before anything of the student's layout touched it."""
         trainer, cfg = self.trainer, self.trainer.cfg
         model = model.requires_grad_(not frozen).train(not frozen).to(trainer.device)
-        return parallelize(model, trainer.ctx, cfg.parallel, memory=cfg.memory, loss_fn=trainer.flow.loss,
+        return parallelize(model, trainer.ctx, cfg.parallel, memory=cfg.memory, loss_fn=trainer.objective.loss,
                            autocast_dtype=trainer.parallel.autocast_dtype)
 
     def metrics(self) -> dict:
@@ -209,6 +217,7 @@ class DMD2(StudentObjective):
         self.critic.train()
         generator_turn = trainer.step % self.d.generator_every == 0
         exit_index = self._exit_index(trainer.step)
+        self.expert = self._expert_of(self.sigmas[exit_index])   # two experts: the one this step trains
         scale, last = 1.0 / len(micro_batches), len(micro_batches) - 1
         samples, generator_total = [], 0.0
         for i, batch in enumerate(micro_batches):
@@ -224,8 +233,9 @@ class DMD2(StudentObjective):
         if generator_turn:
             generator_total, grad_norm = self._step_student(generator_total)
             self.last.update(generator_loss=generator_total, student_grad_norm=grad_norm)
-        critic_total = sum(self.critic.forward_backward(*self._critic_inputs(*sample), scale=scale, sync=i == last)
-                           for i, sample in enumerate(samples))
+        with self._pinned():
+            critic_total = sum(self.critic.forward_backward(*self._critic_inputs(*sample), scale=scale,
+                                                            sync=i == last) for i, sample in enumerate(samples))
         critic_norm = self.critic.clip_gradients(self.cfg.train.grad_clip)
         critic_total = self.critic.global_loss(critic_total)
         if self._finite(critic_total, critic_norm):
@@ -263,15 +273,47 @@ class DMD2(StudentObjective):
     def _dmd_gradient(self, x0: torch.Tensor, cond: Conditions, generator: torch.Generator) -> torch.Tensor:
         """Teacher (guided) and critic score ``x0`` noised at a score timestep: the DMD gradient."""
         device, d = self.trainer.device, self.d
-        t = score_timesteps(x0.shape[0], tuple(d.score_t_range), d.shift, generator).to(device)
+        t = score_timesteps(x0.shape[0], tuple(d.score_t_range), d.shift, generator, self._side()).to(device)
         x_t = self.trainer.flow.interpolate(x0, torch.randn(x0.shape, generator=generator).to(device), t)
-        fake = self._x0(self.critic.module, self.critic.autocast, x_t, t, cond)
-        return dmd_gradient(x0, fake, self._teacher_x0(x_t, t, cond), d.normaliser)
+        with self._pinned():
+            fake = self._x0(self.critic.module, self.critic.autocast, x_t, t, cond)
+            return dmd_gradient(x0, fake, self._teacher_x0(x_t, t, cond), d.normaliser)
 
     def _critic_inputs(self, x0: torch.Tensor, cond: Conditions, generator: torch.Generator):
         """The critic's flow-matching step on the student's sample: (model inputs, velocity target)
         at a score timestep, the critic's own noise."""
         device, d, flow = self.trainer.device, self.d, self.trainer.flow
-        t = score_timesteps(x0.shape[0], tuple(d.score_t_range), d.shift, generator).to(device)
+        t = score_timesteps(x0.shape[0], tuple(d.score_t_range), d.shift, generator, self._side()).to(device)
         noise = torch.randn(x0.shape, generator=generator).to(device)
         return self.spec.model_inputs(flow.interpolate(x0, noise, t), t, cond), flow.velocity_target(x0, noise)
+
+    # ------------------------------------------------------------------ two experts (model.expert=both)
+    #
+    # Wan 2.2 A14B: each expert is distilled on its own side of the boundary. The step's expert is
+    # the one its exit step belongs to (the same on every rank); teacher and critic score the
+    # student's sample at timesteps on that side, pinned to that expert, so under FSDP2 every rank
+    # gathers the same expert's blocks. The rollout's earlier steps route by their own sigma.
+
+    def _expert_of(self, sigma: float) -> str | None:
+        if self.cfg.model.expert != "both":
+            return None
+        return "high" if bool(high_noise(torch.tensor([sigma]), self.cfg.model.expert_boundary)) else "low"
+
+    def _side(self) -> tuple[float, float] | None:
+        """The step's expert's timesteps (None: one model, every timestep)."""
+        if self.expert is None:
+            return None
+        boundary = self.cfg.model.expert_boundary
+        return (boundary, 1.0) if self.expert == "high" else (0.0, boundary)
+
+    @contextlib.contextmanager
+    def _pinned(self):
+        """Every role's two-expert model pinned to the step's expert (nothing without experts)."""
+        models = [m for m in (self.trainer.model, self.critic.local_model, self.teacher) if hasattr(m, "pinned")]
+        for model in models:
+            model.pinned = self.expert
+        try:
+            yield
+        finally:
+            for model in models:
+                model.pinned = None
