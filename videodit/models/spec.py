@@ -212,6 +212,10 @@ class ModelSpec:
         """A two-expert model's CFG scale as a function of t (``guidance`` = (low, high))."""
         raise NotImplementedError
 
+    def expert_at(self, t: float, boundary: float) -> str:
+        """The expert ("high" or "low") of a two-expert model that denoises at time ``t``."""
+        raise NotImplementedError
+
     def build_image_encoder(self, path: str, dtype: torch.dtype) -> nn.Module:
         """The frozen image encoder (``encode(frames [B, 3, H, W] in [-1, 1]) -> [B, tokens, dim]``,
         ``dim``) of a model with ``image_dim``, loaded from ``path``."""

@@ -33,7 +33,6 @@ from videodit.distill.schedule import StudentSchedule
 from videodit.errors import UserError
 from videodit.models.families import get_spec
 from videodit.models.spec import Conditions
-from videodit.models.wan.experts import high_noise
 from videodit.parallel.gradients import gradient_sync
 from videodit.parallel.parallelize import parallelize
 from videodit.sample import negative_condition
@@ -191,7 +190,7 @@ class DMD2(StudentObjective):
     def __init__(self, trainer, teacher: torch.nn.Module | None):
         critic = None if teacher is None else copy.deepcopy(teacher)   # before the teacher gets its layout
         super().__init__(trainer, teacher)
-        cfg, tc = trainer.cfg, trainer.cfg.train
+        tc = trainer.cfg.train
         if self.shared_base:   # the critic's adapter, beside the student's on the one model
             self.critic = AdapterRole(trainer.parallel, CRITIC)
         else:
@@ -297,7 +296,7 @@ class DMD2(StudentObjective):
     def _expert_of(self, sigma: float) -> str | None:
         if self.cfg.model.expert != "both":
             return None
-        return "high" if bool(high_noise(torch.tensor([sigma]), self.cfg.model.expert_boundary)) else "low"
+        return self.spec.expert_at(sigma, self.cfg.model.expert_boundary)
 
     def _side(self) -> tuple[float, float] | None:
         """The step's expert's timesteps (None: one model, every timestep)."""

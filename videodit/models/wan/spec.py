@@ -112,6 +112,10 @@ class WanSpec(ModelSpec):
         from videodit.models.wan.experts import expert_guidance
         return expert_guidance(boundary, guidance)
 
+    def expert_at(self, t, boundary):
+        from videodit.models.wan.experts import high_noise
+        return "high" if bool(high_noise(torch.tensor([float(t)]), boundary)) else "low"
+
     def build_image_encoder(self, path, dtype):
         """Wan 2.1 I2V's CLIP ViT-H/14 (``models/wan/clip.py``), from either layout."""
         from videodit.models.wan.clip import load_wan_image_encoder   # transformers, only when asked
