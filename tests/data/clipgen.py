@@ -83,3 +83,69 @@ def damage_outside(source, target, keep: range, seed: int = 0) -> None:
                 packet = garbage
             packet.stream = stream
             dst.mux(packet)
+
+
+def tone_burst(seconds: float, rate: int, channels: int, at: float, length: float, hz: float = 1000.0,
+               level: float = 0.5) -> np.ndarray:
+    """float32 [channels, seconds * rate]: silence with a sine burst of ``length`` s starting at ``at`` s
+    (channel c at ``level / (c + 1)``, so channels differ)."""
+    t = np.arange(round(seconds * rate)) / rate
+    inside = (t >= at) & (t < at + length)
+    wave = np.zeros((channels, len(t)), np.float32)
+    for c in range(channels):
+        wave[c, inside] = level / (c + 1) * np.sin(2 * np.pi * hz * (t[inside] - at))
+    return wave
+
+
+def encode_with_audio(path, frames: np.ndarray | None, wave: np.ndarray | None, *, rate: int = 24,
+                      sample_rate: int = 44100, layout: str = "stereo", codec: str = "aac",
+                      audio_start: int = 0) -> None:
+    """An mp4 of ``frames`` (H.264 at ``rate`` fps, no B-frames) and/or the soundtrack ``wave``
+    (float32 [channels, samples] at ``sample_rate``, ``layout``, encoded with ``codec``: aac, flac or
+    pcm_s16le; its first sample at ``audio_start`` samples). Either may be None (a silent film, a
+    file with no video)."""
+    with av.open(str(path), "w", format="mp4") as container:
+        if frames is not None:
+            video = container.add_stream("libx264", rate=rate)
+            video.width, video.height, video.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+            video.options = {"threads": "1", "x264-params": "bframes=0"}
+        if wave is not None:
+            audio = container.add_stream(codec, rate=sample_rate, layout=layout)
+        if frames is not None:
+            for t, rgb in enumerate(frames):
+                frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
+                frame.pts, frame.time_base = t, Fraction(1, rate)
+                container.mux(video.encode(frame))
+            container.mux(video.encode(None))
+        if wave is not None:
+            channels = wave.shape[0]
+            for start in range(0, wave.shape[1], 1024):   # packed float: PyAV's planar path stops at 8 planes
+                chunk = np.ascontiguousarray(wave[:, start : start + 1024].T).reshape(1, -1)
+                frame = av.AudioFrame.from_ndarray(chunk, format="flt", layout=layout)
+                frame.sample_rate, frame.pts = sample_rate, audio_start + start
+                frame.time_base = Fraction(1, sample_rate)
+                assert frame.layout.nb_channels == channels
+                container.mux(audio.encode(frame))
+            container.mux(audio.encode(None))
+
+
+def damage_audio(source, target, seed: int = 0) -> None:
+    """Copy ``source`` to ``target`` with every audio packet's payload replaced by random bytes (the
+    video packets kept): the video reads, the soundtrack does not decode."""
+    rng = np.random.default_rng(seed)
+    with av.open(str(source)) as src, av.open(str(target), "w", format="mp4") as dst:
+        streams = {}
+        for stream in (*src.streams.video, *src.streams.audio):
+            streams[stream.index] = (dst.add_stream_from_template(stream) if hasattr(dst, "add_stream_from_template")
+                                     else dst.add_stream(template=stream))   # PyAV < 13
+        for packet in src.demux():
+            if not packet.size or packet.stream.index not in streams:
+                continue
+            out = streams[packet.stream.index]
+            if packet.stream.type == "audio":
+                garbage = av.Packet(rng.integers(0, 256, packet.size, dtype=np.uint8).tobytes())
+                garbage.pts, garbage.dts, garbage.duration = packet.pts, packet.dts, packet.duration
+                garbage.time_base, garbage.is_keyframe = packet.time_base, packet.is_keyframe
+                packet = garbage
+            packet.stream = out
+            dst.mux(packet)

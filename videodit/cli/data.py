@@ -15,7 +15,7 @@ def cmd_toy_make(ns) -> int:
     sizes = [tuple(int(v) for v in size.lower().split("x")) for size in ns.sizes] if ns.sizes else None
     make_toy_dataset(ns.dir, clips_per_combination=ns.clips_per_combination, num_frames=ns.num_frames,
                      height=ns.height, width=ns.width, sizes=sizes, image_fraction=ns.image_fraction,
-                     seed=ns.seed)
+                     seed=ns.seed, audio=ns.audio)
     print(f"wrote {ns.dir}/train.csv and {ns.dir}/val.csv in {time.time() - started:.1f}s")
     return 0
 
@@ -118,6 +118,8 @@ def register(sub) -> None:
     q.add_argument("--sizes", nargs="+", metavar="HxW", help="several clip sizes, cycled (e.g. 32x32 24x24)")
     q.add_argument("--image-fraction", type=float, default=0.0, help="fraction of train clips as still images")
     q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--audio", action="store_true",
+                   help="give every mp4 a soundtrack: a tone pitched by colour, a click when the shape hits an edge")
     q.set_defaults(func=cmd_toy_make)
     q = tsub.add_parser("eval", help="colour and motion accuracy of a toy-trained model",
                         description="Sample toy prompts and measure colour and direction accuracy.")

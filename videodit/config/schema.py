@@ -191,6 +191,13 @@ class DataConfig:
     max_pixels: int = opt(MAX_PIXELS, "largest decoded frame (height x width) a clip or image may have: "
                           "larger ones are skipped and reported like unreadable files, before their frames are "
                           "decoded (a crafted 16000x16000 clip would need ~12 GB)", min=1)
+    max_audio_seconds: float = opt(60.0, "longest soundtrack window one sample may decode, in seconds (audio "
+                                   "training): a longer one is skipped and reported like an unreadable file; "
+                                   "only the window is decoded, however long the soundtrack", min=0.0)
+    max_audio_sample_rate: int = opt(96_000, "highest soundtrack sample rate in Hz (audio training): a higher one "
+                                     "(e.g. 192 kHz) is skipped and reported like an unreadable file", min=1)
+    max_audio_channels: int = opt(8, "most soundtrack channels (audio training; 7.1 is 8): more are skipped and "
+                                  "reported like an unreadable file", min=1)
     decoder: str = opt("auto", "video decoder of training and videodit cache build: auto (torchcodec where it loads, else "
                        "PyAV), pyav, or torchcodec (pip install videodit[torchcodec], plus FFmpeg 4-8 shared "
                        "libraries); both give the same frames, and files torchcodec cannot read exactly are read by "

@@ -7,6 +7,10 @@ sample (``failed``) so the trainer can count it, even from DataLoader workers. A
 frames have more than ``max_pixels`` (``data.max_pixels``) pixels, by its CSV row or its
 stream header, fails the same way before anything is decoded; frames more than 8x their
 bucket's size are shrunk as they are decoded (``read_video(fit=...)``).
+
+With ``audio`` (an ``audio.AudioSpec``; off by default) a sample also carries the soundtrack under its
+frames (``audio``: LTX-2's log-mel or the waveform) and ``audio_mask`` (False for a clip without one:
+silence); a damaged or out-of-bounds soundtrack fails the sample like an unreadable video (docs/audio.md).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, default_collate, get_worker_info
 
+from videodit.data.audio import AudioSpec, clip_audio, known_audio, pad_audio
 from videodit.data.caption_suffix import MOTION_COLUMN, training_caption
 from videodit.data.metadata import Metadata
 from videodit.data.pixels import clip_channels_last, cover_size, crop_resize_uint8
@@ -94,6 +99,17 @@ def clip_tensor(frames: np.ndarray, height: int, width: int, out: torch.Tensor |
     video = torch.from_numpy(frames).permute(0, 3, 1, 2).float()
     video = resize_center_crop(video, height, width)
     return out.copy_((video / 127.5 - 1.0).clamp(-1, 1).permute(1, 0, 2, 3))
+
+
+class _Recorded:
+    """A frame picker that remembers the frames it last picked."""
+
+    def __init__(self, pick):
+        self.pick, self.indices = pick, None
+
+    def __call__(self, total: int) -> np.ndarray:
+        self.indices = self.pick(total)
+        return self.indices
 
 
 def _in_worker() -> bool:
@@ -176,11 +192,12 @@ class VideoDataset(Dataset):
 
     def __init__(self, meta: Metadata, plan: "BucketPlan", frame_interval: int = 1, seed: int = 0,
                  max_replacements: int = 8, max_pixels: int = MAX_PIXELS, caption_suffix: str = "none",
-                 keep_decoded: bool = False):
+                 keep_decoded: bool = False, audio: AudioSpec | None = None):
         """``caption_suffix``: ``data.caption_suffix`` (``opensora2``: Open-Sora 2.0's fps and motion score).
         ``keep_decoded``: keep every clip read, decoded whole, in this process's memory (each worker its
         own), so later epochs only pick frames; for small datasets (``KEEP_DECODED_BYTES``). The frames
-        are the same: a read of some frames is exactly the whole decode indexed."""
+        are the same: a read of some frames is exactly the whole decode indexed.
+        ``audio``: also give each sample its soundtrack (``"audio"``, ``"audio_mask"``; None: none, as before)."""
         self.meta = meta
         self.caption_suffix = caption_suffix
         self.plan = plan
@@ -191,6 +208,7 @@ class VideoDataset(Dataset):
         self.slots: SlotBoard | None = None   # reused worker batch buffers (loader.py sets them)
         self.kept: dict | None = {} if keep_decoded else None   # (index, height, width) -> whole clip
         self.kept_bytes = 0
+        self.audio = audio
 
     def __len__(self) -> int:
         return len(self.meta)
@@ -224,13 +242,18 @@ class VideoDataset(Dataset):
         # guard stops the run long before such samples matter.
         shape = self.plan.buckets[bucket]
         black = (clip_channels_last(shape.num_frames, shape.height, shape.width) if out is None else out).fill_(0)
-        return {"video": black, "text": "", "fps": 1.0, "failed": failed}
+        sample = {"video": black, "text": "", "fps": 1.0, "failed": failed}
+        if self.audio is not None:
+            sample.update(audio=self.audio.silence(0), audio_mask=False)
+        return sample
 
     def load(self, index: int, epoch: int, bucket: int, out: torch.Tensor | None = None) -> dict:
         shape = self.plan.buckets[bucket]
         # Only the sampled frames are decoded; the reader asks for them once it knows the
         # frame count, so the draw is the one a full decode would have made.
         pick = functools.partial(self._frame_indices, index, epoch, shape.num_frames)
+        if self.audio is not None:
+            pick = _Recorded(pick)   # the soundtrack's window is these frames'
         path, height, width = self.meta.paths[index], int(self.meta.heights[index]), int(self.meta.widths[index])
         if height * width > self.max_pixels:   # the CSV's size: not even opened
             raise FrameTooLarge(path, width, height, self.max_pixels, where=", by the CSV")
@@ -241,8 +264,13 @@ class VideoDataset(Dataset):
             frames = self._whole_clip(index, path, shape.height, shape.width)
             frames = frames[pick(len(frames))]   # in range: sample_frame_indices clamps to the clip
         fps = self.meta.fps[index] / (self.frame_interval if shape.num_frames > 1 else 1)
-        return {"video": crop_resize_uint8(frames, shape.height, shape.width, out), "text": self.caption(index, fps),
-                "fps": fps}
+        sample = {"video": crop_resize_uint8(frames, shape.height, shape.width, out), "text": self.caption(index, fps),
+                  "fps": fps}
+        if self.audio is not None:
+            got = clip_audio(path, pick.indices, self.audio, known=known_audio(self.meta, index),
+                             fps=float(self.meta.fps[index]))
+            sample.update(audio=got.audio, audio_mask=got.present)
+        return sample
 
     def _whole_clip(self, index: int, path: str, height: int, width: int) -> np.ndarray:
         """Every frame of clip ``index`` as read for a ``height`` x ``width`` bucket, decoded once."""
@@ -291,6 +319,12 @@ class Batch:
     failed: list[tuple[str, str]] = field(default_factory=list)   # (path, reason) of reads replaced
     noise_seed: int = 0          # seeds the noise, timesteps and caption dropout (the trainer sets it)
     lease: Lease | None = field(default=None, repr=False, compare=False)   # the worker slot ``video`` is in
+    # With VideoDataset(audio=...): each clip's soundtrack padded with silence to the batch's longest
+    # (log-mel [B, 2, T, 64] or waveform [B, 2, N]), whether it has one ([B] bool; False: silence, leave
+    # it out of an audio loss), and its own length in T or N ([B] int64).
+    audio: torch.Tensor | None = None
+    audio_mask: torch.Tensor | None = None
+    audio_lengths: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.text)
@@ -303,7 +337,9 @@ class Batch:
     def pin_memory(self) -> "Batch":
         """The batch in page-locked memory (what ``DataLoader(pin_memory=True)`` calls); the
         worker's buffer is free again once this copy is made."""
-        return dataclasses.replace(self, video=self.video.pin_memory(), fps=self.fps.pin_memory(), lease=None)
+        audio = {} if self.audio is None else {name: getattr(self, name).pin_memory()
+                                               for name in ("audio", "audio_mask", "audio_lengths")}
+        return dataclasses.replace(self, video=self.video.pin_memory(), fps=self.fps.pin_memory(), lease=None, **audio)
 
 
 def collate(samples: list[dict]) -> Batch:
@@ -311,9 +347,14 @@ def collate(samples: list[dict]) -> Batch:
     lease = samples[0].get("lease")
     if lease is not None and video.data_ptr() != samples[0]["video"].data_ptr():
         lease = None   # stacked into a copy: the slot is not what the batch holds
+    audio = {}
+    if "audio" in samples[0]:
+        clips, lengths = pad_audio([s["audio"] for s in samples])
+        audio = {"audio": clips, "audio_lengths": lengths,
+                 "audio_mask": torch.tensor([s["audio_mask"] for s in samples], dtype=torch.bool)}
     return Batch(video=video, text=[s["text"] for s in samples],
                  fps=torch.tensor([s["fps"] for s in samples], dtype=torch.float32),
-                 failed=[f for s in samples for f in s["failed"]], lease=lease)
+                 failed=[f for s in samples for f in s["failed"]], lease=lease, **audio)
 
 
 def _stack(videos: list[torch.Tensor]) -> torch.Tensor:

@@ -5,7 +5,9 @@
     images (``IMAGE_SUFFIXES``), probes each one in worker processes and writes
     ``path,text,num_frames,height,width,aspect_ratio,fps,resolution`` with Open-Sora's
     conventions (``aspect_ratio = height / width``, ``resolution = height * width``,
-    images are one frame at ``IMAGE_FPS``).
+    images are one frame at ``IMAGE_FPS``), then ``has_audio,audio_sample_rate,audio_channels``
+    (``AUDIO_COLUMNS``: the first audio stream's header; ``False`` and empty cells for a file
+    without one, an image included; all empty where the header could not be read).
 
     * Paths are written relative to the CSV's folder when the file lies under it, else
       absolute (``read_metadata`` resolves both the same way).
@@ -57,6 +59,7 @@ import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
+from videodit.data.audio import AUDIO_COLUMNS, AudioReadError, probe_audio
 from videodit.data.metadata import REQUIRED_COLUMNS, Source, table_writer, write_csv
 from videodit.data.video import (IMAGE_SUFFIXES, VIDEO_SUFFIXES, VideoReadError, is_image_path, probe_video)
 from videodit.errors import UserError
@@ -65,7 +68,7 @@ from videodit.user_files import NotRegularFile, check_regular_file, read_user_te
 __all__ = ["SCAN_COLUMNS", "REPORT_COLUMNS", "FILTER_REASONS", "error_report_path", "scan",
            "filter_metadata"]
 
-SCAN_COLUMNS = REQUIRED_COLUMNS + ("resolution",)
+SCAN_COLUMNS = REQUIRED_COLUMNS + ("resolution",) + AUDIO_COLUMNS
 REPORT_COLUMNS = ("path", "error")
 MEDIA_SUFFIXES = VIDEO_SUFFIXES + IMAGE_SUFFIXES
 
@@ -141,7 +144,7 @@ def scan(paths: list[str], out_csv: str, captions: str | None = None, workers: i
         height, width = info["height"], info["width"]
         rows.append({"path": shown, "text": text, "num_frames": info["num_frames"], "height": height,
                      "width": width, "aspect_ratio": height / width, "fps": info["fps"],
-                     "resolution": height * width})
+                     "resolution": height * width, **{name: info.get(name) for name in AUDIO_COLUMNS}})
 
     write_csv(report, REPORT_COLUMNS, errors)
     write_csv(out_csv, SCAN_COLUMNS, rows)
@@ -282,6 +285,10 @@ def _probe_one(path: str, verify: bool) -> tuple[dict | None, str | None]:
                 return None, f"{key}={info[key]}: the video stream has no decodable frames"
         if not (math.isfinite(info["fps"]) and info["fps"] > 0):
             return None, "the container records no frame rate"
+        try:   # the header only: a second open of a file just opened, no decoding
+            info.update(probe_audio(path))
+        except AudioReadError:
+            pass   # unknown: empty cells
         return info, None
     except VideoReadError as exc:
         return None, " ".join(exc.reason.split())

@@ -12,6 +12,10 @@ Writing
       dithering) and muxed by FFmpeg's GIF encoder. Pillow's own GIF writer is not
       used because it merges identical consecutive frames, which changes ``T``.
     * ``.png`` / ``.jpg`` / ...: a single frame (``T == 1``) is written as a still image.
+    * A soundtrack (``audio=(waveform [channels, samples] float, sample_rate)``) goes into
+      the same ``.mp4`` as AAC (Opus where this PyAV build has no AAC encoder), trimmed
+      or padded with silence to the video's duration ``T / fps``. A ``.gif`` or an image
+      cannot hold one: asking for it is refused rather than dropping the sound unseen.
 
     Every write goes to a temporary file in the destination folder and is moved into
     place with ``os.replace``, so a crash never leaves a half-written file behind.
@@ -25,7 +29,7 @@ import os
 import tempfile
 from fractions import Fraction
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import av
 import numpy as np
@@ -34,7 +38,7 @@ from PIL import Image
 from videodit.data.video import IMAGE_SUFFIXES, VIDEO_SUFFIXES, sws_threads
 from videodit.errors import UserError
 
-__all__ = ["atomic_output", "write_video"]
+__all__ = ["Audio", "atomic_output", "audio_codec", "write_video"]
 
 # CRF 12 is visually lossless for flat synthetic colours; the files stay tiny anyway.
 # Reproducibility: with macroblock-tree rate control libx264 gave different bytes
@@ -46,6 +50,23 @@ _H264_OPTIONS = {"crf": "12", "preset": "medium", "threads": "1", "x264-params":
 # AVColorSpace/AVColorPrimaries/AVColorTransferCharacteristic value for BT.601 (525).
 _AV_SMPTE170M = 6
 _AV_RANGE_MPEG = 1
+
+# The soundtrack's encoders in order of preference, and the rate a waveform is resampled
+# to when its own is not one the encoder takes.
+_AUDIO_CODECS = ("aac", "libopus")
+_AUDIO_FALLBACK_RATE = 48_000
+_AUDIO_MAX_CHANNELS = 2
+_AUDIO_BIT_RATE = 64_000  # per channel
+# FFmpeg's AAC "fast" coder: per its documentation better than the default "twoloop" from
+# 64 kb/s up, and ~5x faster (toy clips: 10 ms instead of 55 ms of 2 s stereo at 16 kHz).
+_AUDIO_OPTIONS = {"aac": {"aac_coder": "fast"}}
+
+
+class Audio(NamedTuple):
+    """A soundtrack: ``waveform`` float ``[channels, samples]`` in [-1, 1] at ``sample_rate`` Hz."""
+
+    waveform: np.ndarray
+    sample_rate: int
 
 
 @contextlib.contextmanager
@@ -100,21 +121,36 @@ def _check_fps(fps: float) -> Fraction:
 # --------------------------------------------------------------------------- writing
 
 
-def write_video(path: str | os.PathLike, frames: np.ndarray, fps: float) -> None:
+def write_video(path: str | os.PathLike, frames: np.ndarray, fps: float,
+                audio: tuple[np.ndarray, int] | None = None) -> None:
     """Write ``frames`` (uint8 ``[T, H, W, 3]`` RGB) to ``path`` atomically.
 
     The format follows the suffix: ``.mp4`` (H.264, even sizes only), ``.gif``, or a
     still-image suffix such as ``.png`` when ``T == 1``. Any other suffix, odd sizes for
     ``.mp4``, or ``T > 1`` for an image raise ``UserError``.
+
+    ``audio`` is an optional soundtrack ``(waveform, sample_rate)`` with ``waveform``
+    float ``[channels, samples]`` (1 or 2 channels; values beyond [-1, 1] are clipped),
+    muxed into an ``.mp4`` as AAC (or Opus, see ``audio_codec``) and trimmed or padded
+    with silence to ``T / fps`` seconds. Other suffixes refuse a soundtrack. Without
+    ``audio`` the file is exactly what it was before soundtracks existed.
     """
     path = Path(path)
     frames = _check_frames(frames)
     suffix = path.suffix.lower()
     rate = _check_fps(fps)
+    if audio is not None and suffix != ".mp4":
+        raise UserError(f"{path}: a {suffix or 'file without a suffix'} cannot hold a soundtrack; "
+                        "write .mp4 to keep the audio, or pass audio=None to drop it")
     # Validate everything before creating a temporary file.
     if suffix == ".mp4":
         _check_even_size(path, frames)
-        writer = functools.partial(_write_mp4, frames=frames, rate=rate)
+        if audio is None:
+            writer = functools.partial(_write_mp4, frames=frames, rate=rate)
+        else:
+            sound = _fit_audio(path, audio, duration=frames.shape[0] / rate)
+            audio_codec()  # a build without an audio encoder is refused before any file exists
+            writer = functools.partial(_write_mp4, frames=frames, rate=rate, audio=sound)
     elif suffix == ".gif":
         writer = functools.partial(_write_gif, frames=frames, rate=rate)
     elif suffix in IMAGE_SUFFIXES:
@@ -139,7 +175,7 @@ def _check_even_size(path: Path, frames: np.ndarray) -> None:
         )
 
 
-def _write_mp4(tmp: Path, frames: np.ndarray, rate: Fraction) -> None:
+def _write_mp4(tmp: Path, frames: np.ndarray, rate: Fraction, audio: Audio | None = None) -> None:
     height, width = frames.shape[1:3]
     with av.open(str(tmp), mode="w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=rate)
@@ -150,6 +186,8 @@ def _write_mp4(tmp: Path, frames: np.ndarray, rate: Fraction) -> None:
         ctx = stream.codec_context
         ctx.colorspace = ctx.color_primaries = ctx.color_trc = _AV_SMPTE170M
         ctx.color_range = _AV_RANGE_MPEG
+        # Every stream must exist before the first packet writes the header.
+        sound = _add_audio_stream(container, audio) if audio is not None else None
         for rgb in frames:
             frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
             frame = frame.reformat(
@@ -160,6 +198,78 @@ def _write_mp4(tmp: Path, frames: np.ndarray, rate: Fraction) -> None:
             )
             container.mux(stream.encode(frame))
         container.mux(stream.encode(None))  # flush the encoder's delayed frames
+        if sound is not None:
+            _mux_audio(container, sound, audio)
+
+
+# --------------------------------------------------------------------------- soundtrack
+
+
+@functools.cache
+def audio_codec() -> str:
+    """The encoder of mp4 soundtracks: ``"aac"``, else ``"libopus"`` where this PyAV build
+    lacks AAC. Raises ``UserError`` when it has neither."""
+    for name in _AUDIO_CODECS:
+        try:
+            av.codec.Codec(name, "w")
+        except (av.codec.codec.UnknownCodecError, ValueError):
+            continue
+        return name
+    raise UserError(f"this PyAV build (av {av.__version__}) has no AAC or Opus encoder for soundtracks; "
+                    "install the PyPI wheel (pip install --force-reinstall av) or pass audio=None")
+
+
+def _fit_audio(path: Path, audio: tuple[np.ndarray, int], duration: Fraction) -> Audio:
+    """Check a ``(waveform, sample_rate)`` soundtrack and trim or pad it to ``duration`` seconds."""
+    if not isinstance(audio, (tuple, list)) or len(audio) != 2:
+        raise UserError(f"{path}: audio must be a pair (waveform [channels, samples], sample_rate), "
+                        f"got {type(audio).__name__}; pass audio=(waveform, 16000)")
+    waveform, sample_rate = audio
+    waveform = np.asarray(waveform)
+    if waveform.ndim == 1:
+        waveform = waveform[None]
+    if (waveform.ndim != 2 or not 1 <= waveform.shape[0] <= _AUDIO_MAX_CHANNELS
+            or not np.issubdtype(waveform.dtype, np.floating)):
+        raise UserError(f"{path}: the audio waveform must be float [channels, samples] with 1 or 2 channels, "
+                        f"got {waveform.dtype} {list(waveform.shape)}; pass e.g. a float32 [2, N] array")
+    if not np.isfinite(waveform).all():
+        raise UserError(f"{path}: the audio waveform holds NaN or infinite samples; replace them "
+                        "(e.g. np.nan_to_num) before writing")
+    if isinstance(sample_rate, bool) or not (isinstance(sample_rate, (int, np.integer)) and sample_rate > 0):
+        raise UserError(f"{path}: audio sample_rate={str(sample_rate)[:40]} is not a positive whole number "
+                        "of Hz; use e.g. 16000")
+    samples = round(duration * int(sample_rate))
+    fitted = np.zeros((waveform.shape[0], samples), dtype=np.float32)
+    kept = min(samples, waveform.shape[1])
+    fitted[:, :kept] = np.clip(waveform[:, :kept], -1.0, 1.0)
+    return Audio(fitted, int(sample_rate))
+
+
+def _add_audio_stream(container, audio: Audio):
+    codec = av.codec.Codec(audio_codec(), "w")
+    rates = codec.audio_rates or ()
+    rate = audio.sample_rate if not rates or audio.sample_rate in rates else _AUDIO_FALLBACK_RATE
+    layout = "mono" if audio.waveform.shape[0] == 1 else "stereo"
+    stream = container.add_stream(codec.name, rate=rate, layout=layout)
+    stream.bit_rate = _AUDIO_BIT_RATE * audio.waveform.shape[0]
+    stream.options = dict(_AUDIO_OPTIONS.get(codec.name, {}))
+    return stream
+
+
+def _mux_audio(container, stream, audio: Audio) -> None:
+    """Encode ``audio`` into ``stream``: one planar frame, cut by the resampler into the
+    encoder's frame size (and converted to its rate and sample format). The encoder is
+    open by now (the video's first packet wrote the header), so its frame size is known;
+    the muxer interleaves the audio packets with the video's by time."""
+    ctx = stream.codec_context
+    resampler = av.AudioResampler(format=ctx.format, layout=ctx.layout, rate=ctx.sample_rate,
+                                  frame_size=ctx.frame_size or None)
+    frame = av.AudioFrame.from_ndarray(audio.waveform, format="fltp", layout=ctx.layout.name)
+    frame.sample_rate = audio.sample_rate
+    frame.pts, frame.time_base = 0, Fraction(1, audio.sample_rate)
+    for piece in [*resampler.resample(frame), *resampler.resample(None)]:
+        container.mux(stream.encode(piece))
+    container.mux(stream.encode(None))
 
 
 def _write_gif(tmp: Path, frames: np.ndarray, rate: Fraction) -> None:

@@ -12,6 +12,11 @@ Layout written by ``make_toy_dataset(out_dir)``::
     out_dir/val.csv        seen + held-out combinations, with a ``heldout`` column
     out_dir/videos/*.mp4   (and *.png when ``image_fraction > 0``)
 
+With ``audio=True`` every mp4 also carries a stereo soundtrack (``videodit.toy.audio``):
+a tone whose pitch names the colour and a click when the shape hits an edge. For that the
+shape's motion ends against the edge it moves towards, at a frame in the second half of
+the clip, and rests there; without ``audio`` the clips are exactly as before.
+
 CSV columns follow Open-Sora: ``path,text,num_frames,height,width,aspect_ratio,fps``
 with ``path`` relative to the CSV's folder and ``aspect_ratio = height / width``.
 """
@@ -30,6 +35,7 @@ from videodit.data.video import IMAGE_FPS
 from videodit.data.video_write import write_video
 from videodit.config import Config
 from videodit.errors import UserError
+from videodit.toy.audio import SAMPLE_RATE, ClipWithAudio, soundtrack
 from videodit.toy.vocabulary import (COLOURS, DIRECTIONS, HELDOUT, SHAPES, all_combinations, caption,
                                      parse_caption, seen_combinations)
 
@@ -44,6 +50,8 @@ __all__ = [
     "all_combinations",
     "seen_combinations",
     "render_clip",
+    "render_clip_with_audio",
+    "edge_hit_frames",
     "make_toy_dataset",
 ]
 
@@ -59,6 +67,7 @@ _TRAVEL_FRACTION = (0.40, 0.50)
 _MIN_SIDE = 8  # smaller frames leave no room for a visible shape to move
 
 _VAL_CLIPS_PER_SEEN = 2
+_TOUCH_EPS = 1e-6  # px: a box this close to an edge touches it (the track's rounding)
 
 
 # --------------------------------------------------------------------------- rendering
@@ -80,12 +89,55 @@ def render_clip(colour: str, shape: str, direction: str, num_frames: int,
         raise UserError(f"frame {height}x{width} is too small; use at least "
                         f"{_MIN_SIDE}x{_MIN_SIDE}")
 
-    radius = min(height, width) * _RADIUS_FRACTION * rng.uniform(*_RADIUS_JITTER)
+    radius = _draw_radius(height, width, rng)
     centres = _centre_track(direction, num_frames, height, width, radius, rng)
+    return _draw(colour, shape, centres, radius, height, width)
+
+
+def render_clip_with_audio(colour: str, shape: str, direction: str, num_frames: int, height: int,
+                           width: int, fps: float, rng: np.random.Generator) -> tuple[ClipWithAudio, np.ndarray]:
+    """Render one clip that hits an edge, with its soundtrack; return it and the hit times (s).
+
+    The shape moves as in ``render_clip`` but its track ends against the edge it moves
+    towards, at a random frame of the second half of the clip, and stays there. The
+    soundtrack (``videodit.toy.audio.soundtrack``) clicks at the hit times
+    ``edge_hit_frames(...) / fps`` and pans with the shape's column.
+    """
+    _check_combo(colour, shape, direction)
+    if num_frames < 2:
+        raise UserError(f"num_frames={num_frames} must be at least 2 for a clip that hits an edge")
+    if not fps > 0:
+        raise UserError(f"fps={fps} must be positive; use e.g. fps=8")
+    if min(height, width) < _MIN_SIDE:
+        raise UserError(f"frame {height}x{width} is too small; use at least {_MIN_SIDE}x{_MIN_SIDE}")
+    radius = _draw_radius(height, width, rng)
+    hit_frame = int(rng.integers(max(1, -(-num_frames // 2)), num_frames))
+    centres = _centre_track(direction, num_frames, height, width, radius, rng, hit_frame=hit_frame)
+    frames = _draw(colour, shape, centres, radius, height, width)
+    hit_times = edge_hit_frames(centres, radius, height, width) / fps
+    waveform = soundtrack(colour, num_frames / fps, hit_times, pan=centres[:, 1] / width, rng=rng)
+    return ClipWithAudio(frames, float(fps), waveform, SAMPLE_RATE), hit_times
+
+
+def edge_hit_frames(centres: np.ndarray, radius: float, height: int, width: int) -> np.ndarray:
+    """Frames in which the shape's box comes to touch an edge it did not touch the frame before.
+
+    ``centres`` is a track ``[T, 2]`` (row, col) of a shape of ``radius``; the first frame
+    is never a hit (nothing came before it).
+    """
+    sides = np.array([height, width], dtype=np.float64)
+    touching = np.concatenate([centres - radius <= _TOUCH_EPS, centres + radius >= sides - _TOUCH_EPS], axis=1)
+    return np.flatnonzero((touching[1:] & ~touching[:-1]).any(axis=1)) + 1
+
+
+def _draw_radius(height: int, width: int, rng: np.random.Generator) -> float:
+    return min(height, width) * _RADIUS_FRACTION * rng.uniform(*_RADIUS_JITTER)
+
+
+def _draw(colour: str, shape: str, centres: np.ndarray, radius: float, height: int, width: int) -> np.ndarray:
     rows = np.arange(height, dtype=np.float64)[:, None] + 0.5  # pixel centres
     cols = np.arange(width, dtype=np.float64)[None, :] + 0.5
-
-    frames = np.zeros((num_frames, height, width, 3), dtype=np.uint8)
+    frames = np.zeros((len(centres), height, width, 3), dtype=np.uint8)
     for t, (cy, cx) in enumerate(centres):
         frames[t][_shape_mask(shape, rows - cy, cols - cx, radius)] = COLOURS[colour]
     return frames
@@ -100,11 +152,12 @@ def _check_combo(colour: str, shape: str, direction: str) -> None:
 
 
 def _centre_track(direction: str, num_frames: int, height: int, width: int,
-                  radius: float, rng: np.random.Generator) -> np.ndarray:
+                  radius: float, rng: np.random.Generator, hit_frame: int | None = None) -> np.ndarray:
     """Shape centres ``[T, 2]`` as (row, col), moving linearly and always in frame.
 
     Coordinates are continuous with pixel ``i`` spanning ``[i, i + 1)``, so the shape's
-    bounding box ``[c - r, c + r]`` must lie within ``[0, side]``.
+    bounding box ``[c - r, c + r]`` must lie within ``[0, side]``. With ``hit_frame`` the
+    whole travel is done by that frame, ending with the box against the edge ahead.
     """
     step = np.array(_STEP[direction], dtype=np.float64)
     sides = np.array([height, width], dtype=np.float64)
@@ -123,6 +176,11 @@ def _centre_track(direction: str, num_frames: int, height: int, width: int,
         start[moving_axis] += travel  # moving towards 0: start on the far side
 
     progress = np.linspace(0.0, 1.0, num_frames) if num_frames > 1 else np.zeros(1)
+    if hit_frame is not None:
+        # Travel done at hit_frame, ending on the edge ahead: radius from 0 or from the side.
+        end = radius if step[moving_axis] < 0 else sides[moving_axis] - radius
+        start[moving_axis] = end - travel * step[moving_axis]
+        progress = np.minimum(np.arange(num_frames) / hit_frame, 1.0)
     return start[None, :] + progress[:, None] * travel * step[None, :]
 
 
@@ -149,7 +207,7 @@ def make_toy_dataset(out_dir: str | os.PathLike, clips_per_combination: int = 10
                      num_frames: int = 16, height: int = 32, width: int = 32,
                      fps: float = 8, seed: int = 0,
                      sizes: list[tuple[int, int]] | None = None,
-                     image_fraction: float = 0.0) -> dict:
+                     image_fraction: float = 0.0, audio: bool = False) -> dict:
     """Write the toy dataset under ``out_dir`` and return a summary dict.
 
     * ``train.csv``: ``clips_per_combination`` clips of each of the 54 seen combinations.
@@ -160,6 +218,8 @@ def make_toy_dataset(out_dir: str | os.PathLike, clips_per_combination: int = 10
     * ``image_fraction``: this fraction of *training* clips is written as one-frame PNG
       images (``num_frames=1``, ``fps=IMAGE_FPS`` as in Open-Sora). Validation stays
       all-video because direction cannot be measured on a single frame.
+    * ``audio``: every mp4 gets a soundtrack (tone by colour, click at the edge hit; see
+      the module doc), made by ``render_clip_with_audio``. Images stay silent.
 
     The output is a pure function of the arguments: the same seed gives byte-identical
     CSVs and identical decoded frames. Returns ``{"train_csv", "val_csv", "num_train",
@@ -182,8 +242,8 @@ def make_toy_dataset(out_dir: str | os.PathLike, clips_per_combination: int = 10
                 + [(c, True, clips_per_combination // 2) for c in heldout])
     val_jobs = _split_jobs("val", val_plan, sizes, image_fraction=0.0)
 
-    train_rows = [_write_clip(out_dir, job, num_frames, fps, seed) for job in train_jobs]
-    val_rows = [_write_clip(out_dir, job, num_frames, fps, seed) for job in val_jobs]
+    train_rows = [_write_clip(out_dir, job, num_frames, fps, seed, audio) for job in train_jobs]
+    val_rows = [_write_clip(out_dir, job, num_frames, fps, seed, audio) for job in val_jobs]
     write_csv(out_dir / "val.csv", CSV_COLUMNS + ("heldout",), val_rows)
     write_csv(out_dir / "train.csv", CSV_COLUMNS, train_rows)   # last: its presence means the folder is whole
 
@@ -196,6 +256,7 @@ def make_toy_dataset(out_dir: str | os.PathLike, clips_per_combination: int = 10
         "num_val": len(val_rows),
         "num_videos": len(all_rows) - num_images,
         "num_images": num_images,
+        "audio": bool(audio),
         "seconds": time.perf_counter() - start_time,
     }
 
@@ -251,21 +312,26 @@ def _is_image_slot(index: int, fraction: float) -> bool:
     return int((index + 1) * fraction) > int(index * fraction)
 
 
-def _write_clip(out_dir: Path, job: dict, num_frames: int, fps: float, seed: int) -> dict:
-    """Render and write one planned clip; return its CSV row."""
+def _write_clip(out_dir: Path, job: dict, num_frames: int, fps: float, seed: int, audio: bool = False) -> dict:
+    """Render and write one planned clip (with a soundtrack when ``audio`` and a video); return its CSV row."""
     height, width = job["size"]
     frames_wanted = 1 if job["image"] else num_frames
     # One independent stream per clip, keyed by (seed, split, index): a clip does not
     # change when other clips or options (e.g. image_fraction) change around it.
     split_id = 0 if job["split"] == "train" else 1
     rng = np.random.default_rng([seed, split_id, job["index"]])
-    frames = render_clip(job["colour"], job["shape"], job["direction"], frames_wanted,
-                         height, width, rng)
+    combo = (job["colour"], job["shape"], job["direction"])
+    sound = None
+    if audio and not job["image"]:
+        clip, _ = render_clip_with_audio(*combo, frames_wanted, height, width, fps, rng)
+        frames, sound = clip.frames, (clip.waveform, clip.sample_rate)
+    else:
+        frames = render_clip(*combo, frames_wanted, height, width, rng)
 
     suffix = ".png" if job["image"] else ".mp4"
     stem = "_".join((job["split"], job["colour"], job["shape"], job["direction"]))
     name = f"{stem}_{job['k']:03d}{suffix}"
-    write_video(out_dir / "videos" / name, frames, fps)
+    write_video(out_dir / "videos" / name, frames, fps, audio=sound)
 
     row = {
         "path": f"videos/{name}",

@@ -14,12 +14,17 @@ background is black. Two details make the colour robust to H.264 at 32x32:
 * Each pixel is first rescaled so its brightest channel is 255. That compares hue
   rather than brightness, so a dim generated red still reads as red, and it separates
   yellow from white by the blue channel alone.
+
+Soundtracks (``make_toy_dataset(..., audio=True)``) are judged by ``audio_pitch_correct``
+and ``audio_timing_score`` (defined in ``videodit.toy.audio``, re-exported here); the hits a
+clip's own frames imply come from ``hit_frames``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from videodit.toy.audio import audio_pitch_correct, audio_timing_score
 from videodit.toy.vocabulary import COLOURS
 
 __all__ = [
@@ -27,6 +32,9 @@ __all__ = [
     "dominant_colour",
     "motion_direction",
     "measure_clip",
+    "hit_frames",
+    "audio_pitch_correct",
+    "audio_timing_score",
     "score",
 ]
 
@@ -35,6 +43,7 @@ _MIN_OBJECT_PIXELS = 8  # fewer pixels over the whole clip: nothing was drawn
 _MIN_FRAME_PIXELS = 3  # fewer in one frame: the object is not visible in it
 _MIN_VISIBLE_FRACTION = 0.5  # of frames, for a trustworthy motion estimate
 _MIN_TRAVEL_PX = 1.5  # total displacement below this counts as "not moving"
+_EDGE_BAND_PX = 2  # rim pixels in the outermost two rows/columns touch that edge
 
 _COLOUR_NAMES = tuple(COLOURS)
 _COLOUR_TABLE = np.array([COLOURS[name] for name in _COLOUR_NAMES], dtype=np.float64)
@@ -105,6 +114,44 @@ def _centroid_track(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
     rows = mask[visible].sum(axis=2) @ row_index / counts[visible]
     cols = mask[visible].sum(axis=1) @ col_index / counts[visible]
     return visible.astype(np.float64), rows, cols
+
+
+def hit_frames(frames: np.ndarray) -> np.ndarray:
+    """The frame (as a 0- or 1-element int array) in which the object hits an edge.
+
+    The toy world's physics (``make_toy_dataset(..., audio=True)``): the shape moves at a
+    constant speed until it touches the edge ahead and rests there. So the hit is the knee
+    of the centroid's track along the axis of motion, fitted as ``a + b * min(t, k)`` by
+    least squares over every ``k`` (robust to sub-pixel speeds and H.264's blurred rims,
+    where pixel tests are off by several frames), and it counts only when the object moved
+    towards an edge (at least 1.5 pixels) and touches it in the last frame. On real toy
+    clips it finds the generator's hit frame, rarely one frame off.
+    """
+    frames = _as_clip(frames)
+    times, rows, cols = _centroid_track(_object_mask(frames))
+    needed = max(3, int(np.ceil(_MIN_VISIBLE_FRACTION * len(frames))))
+    if len(times) < needed:
+        return np.zeros(0, dtype=np.int64)
+    row_slope, col_slope = np.polyfit(times, rows, 1)[0], np.polyfit(times, cols, 1)[0]
+    horizontal = abs(col_slope) >= abs(row_slope)
+    track = cols if horizontal else rows
+    fits = [_knee_fit(times, track, knee) for knee in range(1, int(times[-1]) + 1)]
+    _, knee, slope = min(fits, key=lambda fit: fit[0])
+    if abs(slope) * (knee - times[0]) < _MIN_TRAVEL_PX:
+        return np.zeros(0, dtype=np.int64)
+    # The edge ahead, in the last frame; the shape's rim, dimmed by chroma subsampling,
+    # counts at half the object threshold.
+    rim = frames[-1].max(axis=-1) > OBJECT_THRESHOLD / 2
+    band = slice(-_EDGE_BAND_PX, None) if slope > 0 else slice(0, _EDGE_BAND_PX)
+    touching = rim[:, band].any() if horizontal else rim[band, :].any()
+    return np.array([knee] if touching else [], dtype=np.int64)
+
+
+def _knee_fit(times: np.ndarray, track: np.ndarray, knee: int) -> tuple[float, int, float]:
+    """``(squared error, knee, slope)`` of ``track ~ a + slope * min(times, knee)``."""
+    design = np.stack([np.ones_like(times), np.minimum(times, knee)], axis=1)
+    coef = np.linalg.lstsq(design, track, rcond=None)[0]
+    return float(((design @ coef - track) ** 2).sum()), knee, float(coef[1])
 
 
 def measure_clip(frames: np.ndarray) -> dict:
