@@ -11,6 +11,10 @@ so checkpoints and exact resume cover it; the teacher is frozen and never saved 
 config names it). Student and critic start from the teacher (``distill.teacher``, default
 ``model.init_from``).
 
+Every role takes the student's layout (DDP, FSDP2/HSDP, SP; ``_parallel``). With ``lora.rank`` the
+roles share one model instead (``shared_base.py``): the student's and the critic's adapters on the
+teacher's frozen weights, the teacher being those weights with adapters off.
+
 Every draw comes from the batch's noise seed, and the rollout's exit step from the step's seed,
 so every rank runs the same number of forwards and a resumed run draws what the first would.
 """
@@ -32,11 +36,11 @@ from videodit.distill.dmd import dmd_gradient, generator_loss, guided, score_tim
 from videodit.distill.schedule import StudentSchedule
 from videodit.errors import UserError
 from videodit.models.families import get_spec
+from videodit.models.lora import ADAPTER
 from videodit.models.spec import Conditions
 from videodit.parallel.gradients import gradient_sync
 from videodit.parallel.parallelize import parallelize
 from videodit.sample import negative_condition
-from videodit.models.lora import ADAPTER
 from videodit.train.optimizer import build_optimizer, warmup_schedule
 from videodit.train.shared_base import CRITIC, AdapterRole, frozen_base
 from videodit.train.state import Role, init_weights_from
