@@ -48,7 +48,7 @@ from videodit.data.pixels import to_model_input
 from videodit.data.video import VideoReadError
 from videodit.errors import UserError
 from videodit.models.families import get_spec
-from videodit.parallel.distributed import join_process_group, pick_device
+from videodit.parallel.distributed import join_process_group, on_main_then_all, pick_device
 from videodit.toy.make import ensure_toy_data
 
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -100,7 +100,7 @@ def build_cache(cfg: Config, out: str | Path, *, views: int = 1, shard_size: int
     lock = BuildLock(out)   # taken by rank 0, before anything in the folder is touched
     try:
         decoder = resolve_decoder(cfg.data.decoder, cfg.data.decode_device, notice=lambda line: say(line, flush=True))
-        _on_main(lambda: ensure_toy_data(cfg))
+        on_main_then_all(lambda: ensure_toy_data(cfg))
         vae, text = build_encoders(cfg, device)
         image = build_image_encoder(cfg, device)   # None unless the model embeds image features
         in_bf16 = device.type == "cuda" and cfg.train.precision in ("auto", "bf16")   # as the trainer encodes
@@ -120,7 +120,7 @@ def build_cache(cfg: Config, out: str | Path, *, views: int = 1, shard_size: int
                 _write_empty_caption(out, encoders)
             return lines
 
-        for line in _on_main(prepare):
+        for line in on_main_then_all(prepare):
             say(line, flush=True)
         if dist.is_initialized():   # no collective after this point: ranks finish at their own pace
             dist.destroy_process_group()
@@ -143,23 +143,6 @@ def build_cache(cfg: Config, out: str | Path, *, views: int = 1, shard_size: int
         lock.release()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _on_main(fn):
-    """``fn()`` on rank 0, its result (or its UserError) on every rank."""
-    if not dist.is_initialized():
-        return fn()
-    outcome = None
-    if dist.get_rank() == 0:
-        try:
-            outcome = ("ok", fn())
-        except UserError as exc:
-            outcome = ("error", str(exc))
-    box = [outcome]
-    dist.broadcast_object_list(box, src=0)
-    if box[0][0] == "error":
-        raise UserError(box[0][1])
-    return box[0][1]
 
 
 def _part(cfg: Config, folder: Path, csv: str, option: str, views: int, limit: int | None, encoders: Encoders,

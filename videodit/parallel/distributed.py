@@ -178,3 +178,21 @@ def join_process_group(device: torch.device, timeout: timedelta) -> None:
     dist.init_process_group(backend, store=dist.PrefixStore(f"videodit/attempt-{attempt}", agent_store),
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                             timeout=timeout, device_id=device_id)
+
+
+def on_main_then_all(fn):
+    """``fn()`` on rank 0 alone (a folder prepared once), its result (or its UserError) on every rank:
+    a collective where a process group is up, a plain call where none is."""
+    if not dist.is_initialized():
+        return fn()
+    outcome = None
+    if dist.get_rank() == 0:
+        try:
+            outcome = ("ok", fn())
+        except UserError as exc:
+            outcome = ("error", str(exc))
+    box = [outcome]
+    dist.broadcast_object_list(box, src=0)
+    if box[0][0] == "error":
+        raise UserError(box[0][1])
+    return box[0][1]

@@ -40,7 +40,7 @@ from videodit.distill.trajectory_cache import (DTYPES, FORMAT, INDEX, INDEX_SCHE
 from videodit.errors import UserError
 from videodit.models.families import get_spec
 from videodit.models.spec import Conditions
-from videodit.parallel.distributed import join_process_group, pick_device
+from videodit.parallel.distributed import join_process_group, on_main_then_all, pick_device
 from videodit.sample import negative_condition
 from videodit.toy.make import ensure_toy_data
 from videodit.train.dmd2 import check_distillation
@@ -200,23 +200,6 @@ def _compute_shards(build: _Build, folder: Path, rank: int, world: int, say) -> 
     return done
 
 
-def _on_main(fn):
-    """``fn()`` on rank 0, its result (or its UserError) on every rank."""
-    if not dist.is_initialized():
-        return fn()
-    outcome = None
-    if dist.get_rank() == 0:
-        try:
-            outcome = ("ok", fn())
-        except UserError as exc:
-            outcome = ("error", str(exc))
-    box = [outcome]
-    dist.broadcast_object_list(box, src=0)
-    if box[0][0] == "error":
-        raise UserError(box[0][1])
-    return box[0][1]
-
-
 def _prepare(folder: Path, manifest: dict) -> str:
     """On rank 0, holding the lock: start, resume (finished shards checked, damaged ones removed) or
     refuse ``folder``; one line saying which."""
@@ -297,7 +280,7 @@ def build_trajectories(cfg: Config, out: str | Path, *, shard_size: int = 32, ba
             torch.set_num_threads(cfg.train.threads)
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
-        _on_main(lambda: ensure_toy_data(cfg))
+        on_main_then_all(lambda: ensure_toy_data(cfg))
         build = _Build(cfg, device, dtype, shard_size, batch_size)
 
         def prepare() -> str:
@@ -311,7 +294,7 @@ def build_trajectories(cfg: Config, out: str | Path, *, shard_size: int = 32, ba
                 raise UserError(str(exc).replace("videodit cache build", "videodit distill trajectories")) from None
             return _prepare(out, build.manifest)
 
-        say(_on_main(prepare), flush=True)
+        say(on_main_then_all(prepare), flush=True)
         if dist.is_initialized():   # no collective after this point: ranks finish at their own pace
             dist.destroy_process_group()
         started = time.perf_counter()
