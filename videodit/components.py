@@ -20,12 +20,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16} 
 
 
 def build_text_encoder(kind: str, path: str | None = None, max_length: int | None = None, dim: int = 64,
-                       dtype: torch.dtype = torch.float32, mask: bool = True) -> torch.nn.Module:
+                       dtype: torch.dtype = torch.float32, mask: bool = True, audio: bool = False) -> torch.nn.Module:
     """A frozen text encoder: ``toy`` (weight-free, ``dim`` wide; ``path`` ignored),
     ``transformers`` (the local folder ``path``; ``dim`` comes from its config), ``umt5`` (Wan's
     umT5-XXL, run with its mask and zero-padded as Wan does) or ``t5-clip`` (Open-Sora 2.0's T5 and
     CLIP pooled vector; ``mask=False`` runs T5 unmasked as Open-Sora does). ``max_length=None``
-    means 8 tokens for the toy encoder and 120 for transformers models."""
+    means 8 tokens for the toy encoder and 120 for transformers models. ``audio``: a family's encoder
+    that also gives its audio stream's text (``encode_streams``; LTX-2's, for ``model.train_audio``)."""
     if not mask and kind not in UNMASKED_TEXT_KINDS:
         raise UserError(f"text.mask=false (Open-Sora 2.0's unmasked T5) is for text.kind="
                         f"{' or '.join(UNMASKED_TEXT_KINDS)}, not {kind!r}; set text.mask=true")
@@ -35,7 +36,7 @@ def build_text_encoder(kind: str, path: str | None = None, max_length: int | Non
         return load_text_encoder(path, max_length=max_length, dtype=dtype)
     family = encoder_spec("text_kinds", kind)
     if family is not None:   # a family's own encoder (Wan's umT5): its spec builds it
-        return family.build_text_encoder(kind, path, max_length, dtype, mask=mask)
+        return family.build_text_encoder(kind, path, max_length, dtype, mask=mask, **({"audio": True} if audio else {}))
     raise UserError(f"text.kind={kind!r} is not supported; choose one of: {', '.join(OWN_TEXT_KINDS + encoder_kinds('text_kinds'))}")
 
 
@@ -46,8 +47,48 @@ def build_encoders(cfg: Config, device: torch.device):
                     temporal_micro_batch=cfg.vae.temporal_micro_batch, dtype=DTYPES[cfg.vae.dtype],
                     sample_posterior=cfg.vae.sample_posterior)
     text = build_text_encoder(cfg.text.kind, path=cfg.text.path, max_length=cfg.text.max_length,
-                              dim=cfg.text.dim, dtype=DTYPES[cfg.text.dtype], mask=cfg.text.mask)
+                              dim=cfg.text.dim, dtype=DTYPES[cfg.text.dtype], mask=cfg.text.mask,
+                              audio=cfg.model.train_audio)
     return vae.to(device), text.to(device)
+
+
+def check_audio_training(cfg: Config) -> None:
+    """One line for a ``model.train_audio`` the run cannot do: a family without an audio stream, no
+    ``audio.kind``, or an audio VAE that is not the family's."""
+    family, kind = cfg.model.family, cfg.audio.kind
+    spec = get_spec(family)
+    if cfg.model.train_audio and not spec.audio_kinds:
+        raise UserError(f"model.train_audio: the {family} family has no audio stream (LTX-2 has one); set "
+                        "model.train_audio=false")
+    if cfg.model.train_audio and kind == "none":
+        raise UserError(f"model.train_audio needs the audio VAE that makes the audio stream's latents: set "
+                        f"audio.kind={spec.audio_kinds[0]} and audio.path (the release file or a diffusers folder)")
+    if kind != "none" and kind not in spec.audio_kinds:
+        raise UserError(f"audio.kind={kind} is not an audio VAE of the {family} family (its: "
+                        f"{', '.join(spec.audio_kinds) or 'none'}); set audio.kind=none")
+
+
+def build_audio_encoder(cfg: Config, device: torch.device):
+    """The frozen audio VAE ``audio.*`` names, through the family's spec (checked by
+    :func:`check_audio_training`); None for ``audio.kind=none``."""
+    check_audio_training(cfg)
+    if cfg.audio.kind == "none":
+        return None
+    encoder = get_spec(cfg.model.family).build_audio(cfg.audio.kind, cfg.audio.path, cfg.audio.subfolder,
+                                                      dtype=DTYPES[cfg.audio.dtype])
+    return encoder.to(device)
+
+
+def check_audio_model(model, encoder) -> None:
+    """One line where the model cannot take the audio VAE's tokens: no audio stream, or one of
+    another width."""
+    spec = spec_of(model)
+    width = spec.audio_channels(model.geometry)
+    if width != encoder.token_width:
+        has = "no audio stream" if width is None else f"an audio stream of {width}-wide tokens"
+        raise UserError(f"model.train_audio: the model has {has}, the audio VAE gives {encoder.token_width}-wide "
+                        f"tokens (its latent channels x mel bins); set model.audio_channels={encoder.token_width} "
+                        "or use the model's own audio VAE")
 
 
 def build_image_encoder(cfg: Config, device: torch.device) -> torch.nn.Module | None:

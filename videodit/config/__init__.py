@@ -3,11 +3,11 @@
 
 from videodit.config.load import (builtin_presets, describe, from_dict, from_yaml, load_config, parse_override,
                                   to_dict, to_yaml)
-from videodit.config.schema import (MODEL_PRESETS, CheckpointConfig, Config, DataConfig, DiffusionConfig, DistillConfig,
+from videodit.config.schema import (MODEL_PRESETS, AudioConfig, CheckpointConfig, Config, DataConfig, DiffusionConfig, DistillConfig,
                                     LoraConfig, MemoryConfig, ModelConfig, ParallelConfig, SampleConfig, TextConfig,
                                     ToyConfig, TrainConfig, ValidationConfig, VAEConfig)
 
-__all__ = ["MODEL_PRESETS", "CheckpointConfig", "Config", "DataConfig", "DiffusionConfig", "DistillConfig", "LoraConfig", "MemoryConfig",
+__all__ = ["MODEL_PRESETS", "AudioConfig", "CheckpointConfig", "Config", "DataConfig", "DiffusionConfig", "DistillConfig", "LoraConfig", "MemoryConfig",
            "ModelConfig", "ParallelConfig", "SampleConfig", "TextConfig", "ToyConfig", "TrainConfig",
            "ValidationConfig", "VAEConfig", "builtin_presets", "describe", "from_dict", "from_yaml", "load_config",
            "parse_override", "to_dict", "to_yaml"]

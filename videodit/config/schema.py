@@ -97,6 +97,12 @@ class ModelConfig:
                                               "(default: from preset)")
     freeze_caption_embedder: bool = opt(False, "never train the caption projection nor the null caption "
                                         "(Open-Sora's freeze_y_embedder)")
+    train_audio: bool = opt(False, "LTX-2: train the audio stream too (its own sigma, noise and loss beside the "
+                            "video's, as ltx-trainer's flexible strategy; needs audio.kind and a soundtrack per clip, "
+                            "silence without one); false trains the video stream alone, the audio stream frozen")
+    audio_channels: Optional[int] = opt(None, "LTX-2: width of the audio stream's input tokens, the audio VAE's "
+                                        "latent channels x latent mel bins (default: from preset; the releases' 128)",
+                                        min=1)
     init_from: Optional[str] = opt(None, "start from these weights (a checkpoint or an exported model folder; its "
                                    "EMA weights if it has them): weights only, with a fresh optimizer, data "
                                    "position and step, unlike resume")
@@ -276,6 +282,17 @@ class TextConfig:
     dtype: str = opt("fp32", "weights and compute of a transformers encoder: bf16 halves T5-XXL (9.5 GB instead "
                      "of 19; Open-Sora encodes in bf16); embeddings come out in fp32 either way",
                      choices=("fp32", "bf16", "fp16"))
+
+
+@dataclass
+class AudioConfig:
+    kind: str = opt("none", "the frozen audio VAE of audio training (model.train_audio): none, or ltx2 (LTX-2's "
+                    "audio VAE: the release file or a diffusers LTX-2 folder with audio_vae/)", choices=("none", "ltx2"))
+    path: Optional[str] = opt(None, "audio.kind=ltx2: the LTX-2 release file (ltx-2-19b-* / ltx-2.3-22b-*) or a "
+                              "diffusers LTX-2 folder (audio_vae/ and vocoder/)")
+    subfolder: Optional[str] = opt(None, "subfolder of audio.path holding the audio VAE")
+    dtype: str = opt("fp32", "weights and compute of the audio VAE (ltx-trainer encodes in fp32); latents come out "
+                     "in fp32", choices=("fp32", "bf16", "fp16"))
 
 
 @dataclass
@@ -554,6 +571,7 @@ class Config:
     vae: VAEConfig = field(default_factory=VAEConfig)
     text: TextConfig = field(default_factory=TextConfig)
     image_encoder: ImageEncoderConfig = field(default_factory=ImageEncoderConfig)
+    audio: AudioConfig = field(default_factory=AudioConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)

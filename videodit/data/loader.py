@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 
 from videodit.config import DataConfig
 from videodit.data import shared_slots
+from videodit.data.audio import AudioSpec
 from videodit.data.buckets.plan import BucketPlan
 from videodit.data.dataset import KEEP_DECODED_BYTES, VideoDataset, collate, decoded_bytes
 from videodit.data.decoder_choice import decoding_workers, resolve_decoder, use_decoder
@@ -30,7 +31,7 @@ class TrainData:
 
 
 def build_training_data(data: DataConfig, *, batch_size: int, seed: int, dp_rank: int = 0,
-                        dp_size: int = 1, pin_memory: bool = False, notice=print) -> TrainData:
+                        dp_size: int = 1, pin_memory: bool = False, notice=print, audio: bool = False) -> TrainData:
     """``pin_memory`` (on GPUs): the loader hands over batches in page-locked memory, so that
     their host-to-device copy is asynchronous (``non_blocking``); with workers a thread of the
     loader pins each batch while the previous step runs.
@@ -40,14 +41,16 @@ def build_training_data(data: DataConfig, *, batch_size: int, seed: int, dp_rank
     only the keys travel to the workers; the workers hold nothing of the epoch.
 
     ``data.decoder`` is resolved first (a one-line error before any file is read) and becomes
-    this process's decoder, for validation too; ``notice`` prints why ``auto`` fell back."""
+    this process's decoder, for validation too; ``notice`` prints why ``auto`` fell back. ``audio``
+    (``model.train_audio``): every sample carries its soundtrack as LTX-2's log-mel (docs/audio.md)."""
     decoder = resolve_decoder(data.decoder, data.decode_device, notice=notice)
     use_decoder(decoder)
     meta = read_metadata(data.csv, bad_rows=data.bad_rows, cache=data.metadata_cache, progress=True)
     plan = BucketPlan(meta, data, batch_size, seed)
     dataset = VideoDataset(meta, plan, data.frame_interval, seed=seed, max_pixels=data.max_pixels,
                            caption_suffix=data.caption_suffix,
-                           keep_decoded=decoded_bytes(meta) <= KEEP_DECODED_BYTES)   # the toy set: decoded once
+                           keep_decoded=decoded_bytes(meta) <= KEEP_DECODED_BYTES,   # the toy set: decoded once
+                           audio=AudioSpec.from_config(data) if audio else None)
     sampler = BucketBatchSampler(plan.assign, [b.batch_size for b in plan.buckets], seed=seed,
                                  dp_rank=dp_rank, dp_size=dp_size, fingerprint=plan.fingerprint,
                                  legacy_fingerprint=plan.legacy_fingerprint, share=meta.shared,

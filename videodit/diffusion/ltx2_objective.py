@@ -65,6 +65,28 @@ class LTX2Objective:
             tokens = x_mask.bool()[:, :, None].expand(b, frames, height * width).reshape(b, -1)
         return ltx2_schedule.masked_mse(output, target, tokens).mean()
 
+    # -------------------------------------------------------------- the audio stream (model.train_audio)
+
+    def noised_audio(self, tokens: torch.Tensor, generator: torch.Generator) -> ltx2_schedule.NoisedTokens:
+        """The audio stream's x_t, velocity target and own sigma [B] of clean audio tokens [B, Ta, C],
+        drawn after the video's (:meth:`noised`) from the same generator, as ltx-trainer's ``flexible``."""
+        return ltx2_schedule.noised_tokens(tokens, generator)
+
+    def joint_losses(self, output: torch.Tensor, target: torch.Tensor, x_mask: torch.Tensor | None,
+                     audio_output: torch.Tensor, audio_target: torch.Tensor,
+                     audio_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ltx-trainer's loss of both streams, per sample [B]: (video + audio, audio). Each stream's
+        masked MSE on LTX's tokens (``ltx2_schedule.token_mse``: the video's generated frames,
+        ``audio_mask`` [B, Ta] the audio tokens in the loss); the trainer averages the sum over the batch."""
+        b, _, frames, height, width = output.shape
+        generated = torch.ones(b, frames, dtype=torch.bool, device=output.device) if x_mask is None else x_mask.bool()
+        tokens = generated[:, :, None].expand(b, frames, height * width).reshape(b, -1)
+        # LTX's token views: the model's output tokens as it made them, the target's as its patchifier
+        # views the latents (the layouts set the order of the sums)
+        video = ltx2_schedule.token_mse(ltx2_schedule.to_tokens(output), ltx2_schedule.to_tokens(target), tokens)
+        audio = ltx2_schedule.token_mse(audio_output, audio_target, audio_mask)
+        return video + audio, audio
+
 
 def check_options(cfg) -> None:
     """One line for ``diffusion.*`` settings LTX-2's objective cannot honour."""

@@ -30,9 +30,15 @@ conditioned has no token in the loss: its loss is 0 (LTX's clamp), not NaN.
 **Loss** (:func:`masked_mse`): per sample, the squared error averaged over the tokens in the loss
 and the channels, [B]; the trainer averages over the batch. Taken in fp32.
 
+**Audio** (:func:`noised_tokens`, :func:`token_mse`; ``model.train_audio``): ``flexible`` handles
+the audio modality after the video one, so after the video's draws (its first-frame choice
+included) come the audio's own sigma, shifted by the audio token count (25 a second), then its
+noise, ``randn_like`` of the tokens [B, Ta, 128]; x_t and the target as above. Its loss is the same
+per-sample masked MSE on the tokens, and a sample's loss is the video's plus the audio's, averaged
+over the batch by the trainer (:func:`token_mse` takes LTX's token layout, so the sums are theirs).
+
 Not here: the deprecated ``text_to_video`` strategy (it draws the i2v choice first and skips it
-for one-frame clips), and audio, which ``flexible`` gives a sigma of its own, shifted by the audio
-token count and drawn after the video's noise.
+for one-frame clips).
 """
 
 from __future__ import annotations
@@ -171,3 +177,33 @@ def masked_mse(output: torch.Tensor, target: torch.Tensor, loss_mask: torch.Tens
     error = (output.float() - target.float()).square()
     weight = per_token(loss_mask, error).to(error.dtype)
     return (error * weight).flatten(1).mean(1) / weight.flatten(1).mean(1).clamp(min=1e-8)
+
+
+# ---------------------------------------------------------------------- a token stream (audio)
+
+
+@dataclass
+class NoisedTokens:
+    """One step's noised tokens [B, T, C] of a stream with a sigma of its own (LTX-2's audio)."""
+    x_t: torch.Tensor
+    target: torch.Tensor   # noise - x0
+    sigma: torch.Tensor    # [B] float32
+
+
+def noised_tokens(x0: torch.Tensor, generator: torch.Generator | None = None) -> NoisedTokens:
+    """ltx-trainer's ``_initialize_noisy_target`` of tokens ``x0`` [B, T, C]: sigma shifted by the T
+    tokens, then ``randn_like`` noise (a contiguous tensor's: a plain randn of its shape), drawn on the
+    CPU from ``generator``; the results on ``x0``'s device."""
+    b, tokens, _ = x0.shape
+    sigma = sample_sigmas(b, tokens, generator).to(x0.device)
+    noise = torch.randn(x0.shape, generator=generator, dtype=x0.dtype).to(x0.device)
+    return NoisedTokens(interpolate(x0, noise, sigma), velocity_target(x0, noise), sigma)
+
+
+def token_mse(output: torch.Tensor, target: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """ltx-trainer's ``_compute_modality_loss``: per-sample loss [B] (fp32) of tokens [B, T, C],
+    the squared error averaged over the tokens where ``loss_mask`` [B, T] is True and the channels;
+    0 where no token is. Its operations in its order (contiguous token layouts give its sums)."""
+    weight = loss_mask.unsqueeze(-1).float()
+    error = (output.float() - target.float()).pow(2) * weight
+    return error.mean(dim=[-2, -1]) / weight.mean(dim=[-2, -1]).clamp(min=1e-8)

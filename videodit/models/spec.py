@@ -46,7 +46,8 @@ class Conditions:
     I2V's CLIP) and ``given`` [B, C', T, H, W], channels entering beside x_t (Wan i2v's mask and
     given frames' latents, from :meth:`ModelSpec.first_frame_condition`; the MMDiT's mask and masked
     latents) and ``pooled`` [B, C_pooled], a pooled caption vector beside the tokens (Open-Sora 2.0's
-    CLIP-L ``pooler_output``). A family uses what it needs."""
+    CLIP-L ``pooler_output``) and ``audio``, the audio stream's inputs of a family with one
+    (:class:`AudioInputs`: LTX-2 trained with ``model.train_audio``). A family uses what it needs."""
     y: torch.Tensor
     y_mask: torch.Tensor
     drop: torch.Tensor | None = None
@@ -57,6 +58,17 @@ class Conditions:
     image: torch.Tensor | None = None
     given: torch.Tensor | None = None
     pooled: torch.Tensor | None = None
+    audio: "AudioInputs | None" = None
+
+
+@dataclass
+class AudioInputs:
+    """An audio stream's step inputs: its noisy tokens ``x_t`` [B, Ta, C_a], its own sigma ``t`` [B]
+    and its caption embeddings ``context`` [B, L, C] (a dropped caption, ``Conditions.drop``, zeroes
+    them as it zeroes ``y``)."""
+    x_t: torch.Tensor
+    t: torch.Tensor
+    context: torch.Tensor
 
 
 def model_parts(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -319,6 +331,17 @@ class ModelSpec:
         """The frozen text encoder ``text.kind=kind`` names (one of ``text_kinds``); ``mask=False``
         (``text.mask``) only for the kinds ``components.UNMASKED_TEXT_KINDS`` lists."""
         raise NotImplementedError
+
+    audio_kinds: tuple[str, ...] = ()  # audio.kind values of the family's own audio VAEs (a model with an audio stream)
+
+    def build_audio(self, kind: str, path, subfolder, *, dtype: torch.dtype):
+        """The frozen audio VAE ``audio.kind=kind`` names (one of ``audio_kinds``): ``encode(mel)``,
+        ``tokens(latents)``, ``latent_frames(mel_frames)``, ``token_width``; loaded lazily."""
+        raise NotImplementedError
+
+    def audio_channels(self, geometry) -> int | None:
+        """The width of the audio tokens the model's audio stream takes, or None: no audio stream."""
+        return None
 
     # ------------------------------------------------------------------ geometry, objective
 

@@ -58,6 +58,7 @@ from videodit.parallel.block_swap import place_beside_swapped
 from videodit.parallel.parallelize import parallelize
 from videodit.sample import NonFiniteLatents, generate, guidance_of, takes_condition, write_clips
 from videodit.toy.make import ensure_toy_data
+from videodit.train.audio_stream import AudioStream
 from videodit.train.caption_dropout import EmptyCaptionDropout
 from videodit.train.distillation import OBJECTIVES, check_distillation, distillation_teacher, role_adapters
 from videodit.train.ema import EMA
@@ -102,7 +103,7 @@ class Trainer:
             ensure_toy_data(cfg)
             self.data = build_training_data(cfg.data, batch_size=tc.batch_size, seed=tc.seed,
                                             dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp_size,
-                                            pin_memory=self.device.type == "cuda",
+                                            pin_memory=self.device.type == "cuda", audio=cfg.model.train_audio,
                                             notice=lambda line: self.is_main and print(line, flush=True))
         self.meta, self.sampler = self.data.meta, self.data.sampler
         self.bad_files = BadFileGuard(cfg.data.max_bad_fraction)
@@ -127,7 +128,9 @@ class Trainer:
         self.spec = get_spec(cfg.model.family)
         # flow matching (self.flow), or the family's own objective (LTX-2's), its clip sizes checked
         self.objective = objective_of(self.spec, cfg.diffusion, self.flow, self.vae, self.data.plan.buckets)
-        self.conditioning = frame_conditioning(cfg)
+        self.conditioning = (None if cfg.diffusion.mask_ratios is None else   # Open-Sora's frame masks
+                             FrameConditioning(cfg.diffusion.mask_ratios, cfg.model.patch_size[0]))
+        self.audio = AudioStream.of(cfg, self.text, self.objective, self.device)   # model.train_audio (LTX-2)
         if self.conditioning is not None and self.spec.frame_mask_index() is None:
             raise UserError(f"diffusion.mask_ratios (Open-Sora 1.2's frame masks) is not supported by the "
                             f"{cfg.model.family} family; remove it")
@@ -166,6 +169,7 @@ class Trainer:
             model = model.to(self.device)
         loss_fn = self.objective.loss if self.conditioning is None else self.conditioning.loss(self.objective.loss)
         loss_fn = loss_fn if self.visual is None else self.visual.loss(loss_fn)   # no_i2v_ref_loss
+        loss_fn = loss_fn if self.audio is None else self.audio.loss_fn(model)   # video + audio, ltx-trainer's
         self.parallel = parallelize(model, self.ctx, cfg.parallel, memory=cfg.memory, loss_fn=loss_fn,
                                     autocast_dtype=torch.bfloat16 if use_bf16 else None,
                                     bucket_batch_sizes={f"{b.resolution}/{b.num_frames}/{b.ratio}": b.batch_size
@@ -236,6 +240,7 @@ class Trainer:
                     if progress.step % tc.log_every == 0 or progress.step == tc.max_steps:
                         last = {"epoch": progress.epoch, "loss": loss, "lr": last_lr(self.scheduler),
                                 "grad_norm": grad_norm, **self._speed(throughput),
+                                **(self.audio.metrics(self.ctx) if self.audio else {}),
                                 **(self.distill.metrics() if self.distill else {})}
                         if self.skipped_steps:
                             last["skipped_steps"] = self.skipped_steps
@@ -364,6 +369,7 @@ class Trainer:
         n = x0.shape[0]
         generator = torch.Generator().manual_seed(batch.noise_seed)
         x_t, t, target, x_mask = self.objective.noised(x0, size, generator, self.device, time_range)
+        audio = None if self.audio is None else self.audio.noised(batch, generator, self.encoding)   # drawn next
         drop = (torch.rand(n, generator=generator) < self.cfg.diffusion.caption_dropout).to(self.device)
         if pooled is not None:   # dropped here, to the encoding of "": the model sees no drop flags
             y, y_mask, pooled = self.pooled_dropout(y, y_mask, pooled, drop, generator)
@@ -372,7 +378,7 @@ class Trainer:
         if self.conditioning is not None:
             x_t, x_mask = self.conditioning.apply(x_t, x0, generator)
         cond = Conditions(y, y_mask, drop, batch.fps.to(self.device, non_blocking=True), height, width, x_mask,
-                          image=image, given=given, pooled=pooled)
+                          image=image, given=given, pooled=pooled, audio=audio)
         return self.spec.model_inputs(x_t, t, cond), target
 
     def encoding(self):
@@ -590,10 +596,3 @@ class Trainer:
 def noise_seed(seed: int, epoch: int, global_batch: int) -> int:
     """The seed of one global batch's noise, timesteps and caption dropout."""
     return int(np.random.SeedSequence((seed, epoch, global_batch)).generate_state(1)[0])
-
-
-def frame_conditioning(cfg: Config) -> FrameConditioning | None:
-    """Open-Sora's frame masks when ``diffusion.mask_ratios`` asks for them."""
-    if cfg.diffusion.mask_ratios is None:
-        return None
-    return FrameConditioning(cfg.diffusion.mask_ratios, cfg.model.patch_size[0])

@@ -7,7 +7,9 @@ given frames run at time 0 through ``x_mask``, as Wan TI2V's); RoPE is per head,
 pixels; patch 1 on the 128-channel latents of an 8 x 32 x 32 VAE.
 
 This family trains the video stream: the model inputs carry no audio, the audio stream's weights
-are loaded, left untouched and exported bit for bit. Its own encoders: ``vae.kind=ltx2`` (``vae.py``)
+are loaded, left untouched and exported bit for bit. With ``model.train_audio`` both streams train
+(every weight): the inputs carry the audio stream's (``Conditions.audio``), its tokens from the audio
+VAE ``audio.kind=ltx2`` (``audio_vae.py``). Its own encoders: ``vae.kind=ltx2`` (``vae.py``)
 and ``text.kind=gemma3-ltx2`` (``text.py`` + ``connectors.py``); its objective and sampler:
 ``diffusion/ltx2_objective.py``. Tensor, sequence and pipeline parallelism: ``parallel_plan.py`` and
 ``stage.py``.
@@ -58,6 +60,7 @@ class LTX2Spec(ModelSpec):
     released_encoders = (128, 3840, CAPTION_TOKENS)   # LTX-2.0: the video VAE, the connectors' 3840-wide text
     vae_kinds = ("ltx2",)
     text_kinds = ("gemma3-ltx2",)
+    audio_kinds = ("ltx2",)
 
     released_name = "LTX-2 (the ltx-2-19b / ltx-2.3-22b release file or a diffusers transformer folder)"
     released_format = "ltx2"
@@ -77,11 +80,19 @@ class LTX2Spec(ModelSpec):
         from videodit.models.ltx2.vae import build_ltx2_vae   # diffusers, only when asked
         return build_ltx2_vae(path, subfolder, scaling_factor=scaling_factor, micro_batch=micro_batch, dtype=dtype)
 
-    def build_text_encoder(self, kind, path, max_length, dtype, mask=True):
+    def build_text_encoder(self, kind, path, max_length, dtype, mask=True, audio=False):
         """Gemma 3 -> the release's normalisation, projection and connectors: the DiT's 1024 text
-        tokens (registers in the padding, no mask)."""
+        tokens (registers in the padding, no mask); ``audio``: the audio stream's too (``encode_streams``)."""
         from videodit.models.ltx2.text import load_ltx2_text   # transformers, only when asked
-        return load_ltx2_text(path, max_length=max_length, dtype=dtype)
+        return load_ltx2_text(path, max_length=max_length, dtype=dtype, audio=audio)
+
+    def build_audio(self, kind, path, subfolder, *, dtype):
+        """LTX-2's frozen audio VAE (no vocoder: training encodes only)."""
+        from videodit.models.ltx2.audio_vae import build_ltx2_audio   # diffusers, only when asked
+        return build_ltx2_audio(path, subfolder, dtype=dtype, vocoder=False, key="audio.path")
+
+    def audio_channels(self, geometry: LTX2Geometry) -> int:
+        return geometry.audio_in_channels
 
     # ------------------------------------------------------------------ build
 
@@ -99,6 +110,7 @@ class LTX2Spec(ModelSpec):
             raise UserError(f"model.hidden_size={m.hidden_size} is not divisible by model.num_heads={m.num_heads}")
         geometry = dataclasses.replace(base, num_layers=m.depth, num_heads=m.num_heads,
                                        head_dim=m.hidden_size // m.num_heads, in_channels=latent_channels,
+                                       audio_in_channels=getattr(m, "audio_channels", None) or base.audio_in_channels,
                                        caption_channels=None if base.caption_channels is None else caption_channels)
         if geometry.caption_channels is None and caption_channels != geometry.dim:
             raise UserError(f"LTX-2.3 takes text embeddings as wide as the video stream ({geometry.dim}); the text "
@@ -116,7 +128,10 @@ class LTX2Spec(ModelSpec):
 
     def configure(self, model: LTX2Model, m) -> LTX2Model:
         """The video stream trains: the audio stream and the cross-modal attentions, which a video-only
-        step never reaches, are frozen (no gradients, no optimizer state; kept and exported as loaded)."""
+        step never reaches, are frozen (no gradients, no optimizer state; kept and exported as loaded).
+        With ``model.train_audio`` every weight trains, as ltx-trainer's audio-video fine-tune."""
+        if getattr(m, "train_audio", False):
+            return model
         for name, param in model.named_parameters():
             if "audio" in name or "a2v" in name or name.startswith("av_ca_"):
                 param.requires_grad_(False)
@@ -204,13 +219,19 @@ class LTX2Spec(ModelSpec):
     def model_inputs(self, x_t, t, cond: Conditions) -> tuple:
         """(x_t, t, text, fps, x_mask), all tensors: a dropped caption is all-zero text; fps
         defaults to ltx-trainer's 24; no frame mask is every frame generated. The releases attend
-        every text token (the connectors' registers fill the pads), so no text mask."""
+        every text token (the connectors' registers fill the pads), so no text mask. With
+        ``cond.audio``: then (None, audio tokens, audio sigma, audio text), the model's audio inputs."""
         n, frames = x_t.shape[0], x_t.shape[2]
-        y = cond.y if cond.drop is None else torch.where(cond.drop[:, None, None], torch.zeros_like(cond.y), cond.y)
+
+        def dropped(text):
+            return text if cond.drop is None else torch.where(cond.drop[:, None, None], torch.zeros_like(text), text)
         fps = torch.full((n,), DEFAULT_FPS, device=x_t.device) if cond.fps is None else \
             torch.as_tensor(cond.fps, device=x_t.device).float().expand(n)
         x_mask = torch.ones(n, frames, dtype=torch.bool, device=x_t.device) if cond.x_mask is None else cond.x_mask
-        return (x_t, t, y, fps, x_mask)
+        if cond.audio is None:
+            return (x_t, t, dropped(cond.y), fps, x_mask)
+        audio = cond.audio
+        return (x_t, t, dropped(cond.y), fps, x_mask, None, audio.x_t, audio.t, dropped(audio.context))
 
     def frame_mask_index(self) -> int:
         return 4

@@ -245,7 +245,19 @@ class LTX2TextEncoder(FrozenTextEncoder):
 
     @torch.no_grad()
     def encode_streams(self, captions: list[str]) -> tuple[Tensor, Tensor | None, Tensor]:
-        """(video [B, L, dim], audio [B, L, audio_dim] or None, mask [B, L] all True), fp32."""
+        """(video [B, L, dim], audio [B, L, audio_dim] or None, mask [B, L] all True), fp32. With the
+        audio connector, the last captions' result is kept: a training step asks for the video text,
+        then the audio stream's, of the same captions, and Gemma runs once."""
+        key = (tuple(as_caption_list(captions)), torch.is_autocast_enabled())
+        last = getattr(self, "_last_streams", None)
+        if self.audio_dim is not None and last is not None and last[0] == key:
+            return last[1]
+        result = self._encode_streams(captions)
+        if self.audio_dim is not None:
+            self._last_streams = (key, result)
+        return result
+
+    def _encode_streams(self, captions: list[str]) -> tuple[Tensor, Tensor | None, Tensor]:
         ids, valid = self.tokenize(captions)
         ids, valid = ids.to(self.device), valid.to(self.device)
         out = self.gemma(input_ids=ids, attention_mask=valid.long(), output_hidden_states=True)

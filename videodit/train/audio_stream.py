@@ -1,0 +1,111 @@
+"""The audio stream of a training step (``model.train_audio``, LTX-2): what the trainer adds to a
+video step when both streams train, kept here so the loop stays one loop.
+
+Per micro-batch (:meth:`AudioStream.noised`, called right after the video's draws): the batch's
+log-mel (``Batch.audio``) through the frozen audio VAE, each clip cut at its own
+``latent_frames(length)``, as the DiT's tokens; the objective's audio sigma, noise, x_t and target
+from the batch's generator (ltx-trainer's ``flexible`` order: after the video's); the audio
+stream's text (the text encoder's ``encode_streams``). The model gets them as
+``Conditions.audio``. Its loss (:meth:`AudioStream.loss`): ltx-trainer's, per sample the video's
+masked MSE plus the audio's, averaged over the batch; a clip without a soundtrack
+(``Batch.audio_mask`` False: silence) is fed as silence and contributes no audio loss. The step's
+audio loss is logged as ``audio_loss``.
+
+LTX-2's audio stream has no padding mask: every clip of a batch must give the same number of audio
+tokens (a bucket's clips of one frame rate do); a batch mixing lengths is refused in one line.
+The target and mask of the micro-batch in flight are held here between ``noised`` and the loss
+(the parallel layer hands the loss the video target alone), so no pipeline parallelism.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from videodit.components import build_audio_encoder, check_audio_model, check_audio_training
+from videodit.errors import UserError
+from videodit.models.spec import AudioInputs
+
+
+class AudioStream:
+    """The audio VAE, the text encoder's audio stream and the objective's audio draws and loss of a
+    ``model.train_audio`` run (module docstring)."""
+
+    def __init__(self, encoder, text, objective, device: torch.device, grad_accum: int = 1):
+        self.encoder, self.text, self.objective, self.device = encoder, text, objective, device
+        self.grad_accum = grad_accum
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None   # (target, loss mask) of the micro-batch
+        self.losses: list[torch.Tensor] = []   # the last step's micro-batches' audio losses (detached)
+
+    @classmethod
+    def of(cls, cfg, text, objective, device: torch.device) -> "AudioStream | None":
+        """The audio stream of a ``model.train_audio`` run (None otherwise), refused in one line
+        where the run cannot train it."""
+        check_audio_training(cfg)
+        if not cfg.model.train_audio:
+            return None
+        cannot = [(cfg.data.cache, "data.cache (its stored features hold no audio latents yet)"),
+                  (cfg.parallel.pp > 1, "parallel.pp > 1 (the audio stream is not passed through pipeline stages)"),
+                  (cfg.distill.method, f"distill.method={cfg.distill.method}"),
+                  (cfg.diffusion.mask_ratios is not None, "diffusion.mask_ratios (Open-Sora 1.2's frame masks)"),
+                  (not hasattr(text, "encode_streams"),
+                   f"text.kind={cfg.text.kind} (it gives no audio-stream text; text.kind=gemma3-ltx2 does)")]
+        for refused, why in cannot:
+            if refused:
+                raise UserError(f"model.train_audio does not run with {why}; set model.train_audio=false or drop that")
+        if not hasattr(objective, "noised_audio"):
+            raise UserError(f"model.train_audio: the {cfg.model.family} objective has no audio stream")
+        return cls(build_audio_encoder(cfg, device), text, objective, device, cfg.train.grad_accum)
+
+    # ------------------------------------------------------------------ a micro-batch
+
+    def tokens(self, batch) -> torch.Tensor:
+        """The clean audio tokens [B, Ta, C] of the batch's mel, each clip cut at its own length."""
+        if batch.audio is None:
+            raise UserError("model.train_audio: the batch carries no soundtracks (the loader was built without audio)")
+        lengths = [int(n) for n in batch.audio_lengths]
+        frames = {self.encoder.latent_frames(n) for n in lengths}
+        if len(frames) > 1:
+            raise UserError(f"model.train_audio: a batch holds soundtracks of {' and '.join(map(str, sorted(frames)))} "
+                            "latent frames; LTX-2's audio stream has no padding mask, so a batch takes clips of one "
+                            "length: give the clips of a bucket one frame rate, or use train.batch_size=1")
+        mel = batch.audio.to(self.device, non_blocking=True)
+        if len(set(lengths)) == 1:
+            latents = self.encoder.encode(mel[:, :, :lengths[0]])
+        else:   # equal latent lengths from unequal mels: each clip encoded alone, as LTX encodes it
+            latents = torch.cat([self.encoder.encode(mel[i:i + 1, :, :n]) for i, n in enumerate(lengths)])
+        return self.encoder.tokens(latents).contiguous()
+
+    def noised(self, batch, generator: torch.Generator, encoding=contextlib.nullcontext) -> AudioInputs:
+        """The audio stream's inputs of one micro-batch (module docstring); its target and loss mask
+        wait here for the loss (:meth:`loss_fn`). ``encoding``: the frozen encoders' context (bf16 autocast)."""
+        with torch.no_grad(), encoding():
+            tokens = self.tokens(batch).float()
+            _, context, _ = self.text.encode_streams(batch.text)
+        drawn = self.objective.noised_audio(tokens, generator)
+        present = batch.audio_mask.to(self.device, non_blocking=True)
+        self.pending = (drawn.target, present[:, None].expand(tokens.shape[:2]))
+        return AudioInputs(drawn.x_t, drawn.sigma, context.float())
+
+    def loss_fn(self, model):
+        """The training loss of both streams, for ``parallelize``: (model output (video, audio), x_t,
+        t, video target, x_mask) -> the batch mean of ltx-trainer's per-sample video + audio loss.
+        ``model`` must take the audio VAE's tokens (one line if not)."""
+        check_audio_model(model, self.encoder)
+
+        def both(output, x_t, t, target, x_mask=None):
+            if self.pending is None:
+                raise RuntimeError("the audio stream's loss without its noised inputs")
+            (video, audio), (audio_target, audio_mask) = output, self.pending
+            self.pending = None
+            total, audio_loss = self.objective.joint_losses(video, target, x_mask, audio, audio_target, audio_mask)
+            self.losses = (self.losses + [audio_loss.detach().mean()])[-self.grad_accum:]
+            return total.mean()
+        return both
+
+    def metrics(self, ctx) -> dict:
+        """``audio_loss``: the last step's audio loss (its micro-batches' mean, over the ranks); a
+        collective, as the step's other metrics."""
+        local = float(torch.stack(self.losses).mean()) if self.losses else 0.0
+        return {"audio_loss": ctx.mean(local)}
