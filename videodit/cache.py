@@ -28,11 +28,13 @@ from safetensors.torch import save as save_safetensors
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from videodit.components import build_encoders, build_image_encoder, first_frame_features, model_geometry
+from videodit.components import build_audio_encoder, build_encoders, build_image_encoder, first_frame_features, model_geometry
 from videodit.config import Config
 from videodit.data.buckets.plan import BucketPlan
 from videodit.data.dataset import VideoDataset
 from videodit.data.decoder_choice import current_decoder, decoding_workers, resolve_decoder, using_decoder
+from videodit.data.audio import AudioSpec
+from videodit.data.feature_cache import audio as cache_audio
 from videodit.data.feature_cache import conditions
 from videodit.data.feature_cache.background import ShardWriterThread
 from videodit.data.feature_cache.format import (DTYPES, FAILED, FORMAT, INDEX, LOCK, MANIFEST, MAX_FRAMES,
@@ -64,6 +66,7 @@ class Encoders:
     conditions: tuple[str, ...]   # conditions.py: the first-frame conditions the config's model takes
     in_bf16: bool              # encode under bf16 autocast, as the trainer does on GPUs
     device: torch.device
+    audio: object | None = None   # the audio VAE of a model.train_audio run (feature_cache/audio.py)
 
 
 def _wanted_conditions(cfg: Config, vae, text, image) -> tuple[str, ...]:
@@ -106,7 +109,11 @@ def build_cache(cfg: Config, out: str | Path, *, views: int = 1, shard_size: int
         in_bf16 = device.type == "cuda" and cfg.train.precision in ("auto", "bf16")   # as the trainer encodes
         if in_bf16:
             text.to(torch.bfloat16)
-        encoders = Encoders(vae, text, image, _wanted_conditions(cfg, vae, text, image), in_bf16, device)
+        audio = build_audio_encoder(cfg, device) if cfg.model.train_audio else None   # its soundtracks' latents
+        if audio is not None and not hasattr(text, "encode_streams"):
+            raise UserError(f"model.train_audio: text.kind={cfg.text.kind} gives no audio-stream text to cache "
+                            "(text.kind=gemma3-ltx2 does); set model.train_audio=false or use that text encoder")
+        encoders = Encoders(vae, text, image, _wanted_conditions(cfg, vae, text, image), in_bf16, device, audio)
         out = Path(out)
         parts = [_part(cfg, out, cfg.data.csv, "data.csv", views, None, encoders, dtype, shard_size, batch_size)]
         if cfg.validation.csv:
@@ -176,6 +183,7 @@ def _part(cfg: Config, folder: Path, csv: str, option: str, views: int, limit: i
         "shards": shard_count(len(items), shard_size),
         **conditions.manifest_entries(encoders.conditions, *_image_geometry(encoders, plan.buckets[0]),
                                       pooled_dim=getattr(text, "pooled_dim", None)),
+        **cache_audio.manifest_entries(encoders.audio, _audio_text_dim(encoders)),
     })
     return Part(folder, meta, plan, items, manifest)
 
@@ -289,7 +297,8 @@ def _encode_shards(cfg: Config, part: Part, encoders: Encoders, device: torch.de
     if not groups:
         return 0
     dataset = VideoDataset(part.meta, part.plan, cfg.data.frame_interval, seed=cfg.train.seed,
-                           max_pixels=cfg.data.max_pixels, caption_suffix=cfg.data.caption_suffix)
+                           max_pixels=cfg.data.max_pixels, caption_suffix=cfg.data.caption_suffix,
+                           audio=AudioSpec.from_config(cfg.data) if encoders.audio is not None else None)
     decode = _Decode(dataset, part.items)
     # Workers decode while this process encodes.
     loader = DataLoader(decode, batch_sampler=[g for _, g in groups], collate_fn=list,
@@ -321,6 +330,9 @@ def _encode_shards(cfg: Config, part: Part, encoders: Encoders, device: torch.de
                     extra = _first_frame_conditions(encoders, video)
                     if conditions.POOLED in encoders.conditions:
                         extra[conditions.POOLED] = encoders.text.encode_pooled([s["text"] for _, s in good]).float()
+                    if encoders.audio is not None:
+                        extra.update(cache_audio.soundtrack_tensors(encoders.audio, encoders.text, [s for _, s in good],
+                                                                    [s["text"] for _, s in good], mask, device))
                 for j, (p, sample) in enumerate(good):
                     writer.add(int(items.clip[p]), int(items.view[p]), int(items.bucket[p]), float(sample["fps"]),
                                latents[j], y[j].float(), mask[j], {name: t[j] for name, t in extra.items()})
@@ -338,6 +350,14 @@ def _encode_shards(cfg: Config, part: Part, encoders: Encoders, device: torch.de
         background.close(abort=True)   # after an error: nothing more is written once this returns
         bar.close()
     return done
+
+
+def _audio_text_dim(encoders: Encoders) -> int | None:
+    """The width of the audio stream's caption tokens (None without audio), from one short caption."""
+    if encoders.audio is None:
+        return None
+    with torch.no_grad():
+        return int(encoders.text.encode_streams([""])[1].shape[-1])
 
 
 def _first_frame_conditions(encoders: Encoders, video: torch.Tensor) -> dict[str, torch.Tensor]:

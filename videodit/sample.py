@@ -25,7 +25,7 @@ from videodit.diffusion.rectified_flow import RectifiedFlow
 from videodit.distill.schedule import StudentSchedule
 from videodit.errors import UserError
 from videodit.models.families import get_spec, spec_of
-from videodit.models.spec import Conditions
+from videodit.models.spec import AudioInputs, Conditions
 
 
 Guidance = float | Callable[[torch.Tensor], float]   # a CFG scale, or one by time (two experts)
@@ -66,7 +66,7 @@ def generate_batches(model, vae, text, flow: RectifiedFlow, prompts: list[str], 
                      sampler: str = "euler", negative_prompt: str | None = None, image_encoder=None,
                      three_way: ThreeWayGuidance | None = None, ref_mode: str = "i2v_head",
                      reference_end: torch.Tensor | None = None, indices: Sequence[int] | None = None,
-                     prepare: Callable[[list[str]], list[str]] | None = None):
+                     prepare: Callable[[list[str]], list[str]] | None = None, soundtrack=None):
     """Sample one clip per prompt, a batch at a time: yields (prompt indices, uint8 [n, T, H, W, 3])
     as each batch is made, so a caller writes clips while the next ones are sampled. ``indices``:
     the prompts to sample (default: all), e.g. those whose clips a resumed run has not written;
@@ -80,7 +80,8 @@ def generate_batches(model, vae, text, flow: RectifiedFlow, prompts: list[str], 
     input channels (``takes_condition``: Open-Sora 2.0's) samples with ``three_way`` guidance (its
     text scale ``guidance``), ``reference`` (and ``reference_end``) giving frames as ``ref_mode`` says.
     Latents or decoded frames that are NaN or infinite stop it with :class:`NonFiniteLatents`,
-    before that batch yields anything."""
+    before that batch yields anything. ``soundtrack``: a trained audio stream's
+    (``ltx2_audio_sampling.Soundtrack``): each batch then also yields a (waveform, rate) per clip."""
     model.eval()
     t_lat, h_lat, w_lat = vae.latent_size(num_frames, height, width)
     spec = spec_of(model)
@@ -116,19 +117,25 @@ def generate_batches(model, vae, text, flow: RectifiedFlow, prompts: list[str], 
         fresh = None
         if isinstance(sampler, StudentSchedule):   # prompt k's re-noising, like its noise, depends on (seed, k)
             fresh = functools.partial(_renoising, noise.shape[1:], seed, chunk_indices, device)
+        audio = None if soundtrack is None else soundtrack.start(chunk, chunk_indices, seed, num_frames / fps,
+                                                                 negative_prompt, device)
         try:
             latents = denoise(model, flow, noise, y, y_mask, steps=steps, guidance=guidance, ratio=ratio, fps=fps_t,
                               height=height, width=width, given=given, sampler=sampler, negative=negative, fresh=fresh,
                               channels=None if channels is None else channels.expand(n, *channels.shape[1:]),
                               image=None if image is None else image.expand(n, *image.shape[1:]), pooled=pooled,
-                              three_way=three_way, condition=condition)
+                              three_way=three_way, condition=condition, audio=audio)
+            if audio is not None:
+                latents, sound = latents
+                require_finite(sound, "the sampled audio latents")
             require_finite(latents, "the sampled latents")
             video = vae.decode(latents, num_frames)                      # [N, 3, T, H, W] in [-1, 1]
             require_finite(video, "the decoded frames")
         except NonFiniteLatents as exc:
             raise NonFiniteLatents(non_finite_message(exc, chunk_indices, prompts, guidance, steps)) from None
         frames = ((video.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-        yield chunk_indices, frames.permute(0, 2, 3, 4, 1).cpu().numpy()
+        clips = frames.permute(0, 2, 3, 4, 1).cpu().numpy()
+        yield (chunk_indices, clips) if audio is None else (chunk_indices, clips, soundtrack.waveforms(sound, num_frames / fps))
 
 
 def _renoising(shape: tuple[int, ...], seed: int, indices: Sequence[int], device, step: int) -> torch.Tensor:
@@ -186,7 +193,7 @@ def denoise(model, flow: RectifiedFlow, noise: torch.Tensor, y: torch.Tensor, y_
             channels: torch.Tensor | None = None, image: torch.Tensor | None = None,
             pooled: torch.Tensor | None = None, three_way: ThreeWayGuidance | None = None,
             condition: ReferenceCondition | None = None,
-            fresh: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
+            fresh: Callable[[int], torch.Tensor] | None = None, audio=None) -> torch.Tensor:
     """Latents from ``noise`` [N, C, T, H, W]: Euler steps (``sampler="unipc"``: Wan's UniPC, with
     ``ratio`` its shift; a :class:`StudentSchedule`: a distilled model's few steps, unguided, ``fresh(i)``
     its re-noising after step i) with classifier-free guidance (the unconditional branch is the family's:
@@ -195,7 +202,8 @@ def denoise(model, flow: RectifiedFlow, noise: torch.Tensor, y: torch.Tensor, y_
     for the model by ``x_mask``; ``channels``: the given first frame's input channels of an i2v
     model (``Conditions.given``) and ``image`` its image features (``Conditions.image``), both in
     both CFG branches as Wan does; ``pooled``: the prompts' pooled caption vectors
-    (``Conditions.pooled``; with them ``negative`` is (y, y_mask, pooled), :func:`negative_condition`)."""
+    (``Conditions.pooled``; with them ``negative`` is (y, y_mask, pooled), :func:`negative_condition`);
+    ``audio``: LTX-2's audio stream (``ltx2_audio_sampling.AudioSampling``): then (latents, audio tokens)."""
     spec = spec_of(model)
     n = noise.shape[0]
     keep = torch.zeros(n, dtype=torch.bool, device=noise.device)
@@ -209,9 +217,11 @@ def denoise(model, flow: RectifiedFlow, noise: torch.Tensor, y: torch.Tensor, y_
     step = _StepCounter(steps)   # the step a non-finite value shows up at
 
     def velocity(conditions):
-        def v(x, t):
+        def v(x, t, tokens=None, context=None):   # tokens: the audio stream's (both velocities come back)
             step.at(t)
             require_finite(x, "the latents", step.step)   # a guidance scale that overflowed the last step
+            if tokens is not None:
+                return model(*spec.model_inputs(x, t, dataclasses.replace(conditions, audio=AudioInputs(tokens, t, context))))
             out = model(*spec.model_inputs(x, t, conditions))
             require_finite(out, "the model's output", step.step)
             return flow.model_velocity(out.float(), x, t)
@@ -222,7 +232,7 @@ def denoise(model, flow: RectifiedFlow, noise: torch.Tensor, y: torch.Tensor, y_
     own = family_sampler(spec)   # a family's own sampler (LTX-2's: its schedule, CFG + STG, first frame)
     if own is not None:
         return own(model, spec, velocity, cond, uncond, noise, steps=steps, guidance=guidance, diffusion=flow.cfg,
-                   given=given)
+                   given=given, **({} if audio is None else {"audio": audio}))
     solve = flow_unipc.sample if sampler == "unipc" else flow.sample
     return solve(velocity(cond), noise, steps, ratio, guidance, velocity(uncond),
                  given=None if given is None else given.put_back)
@@ -432,14 +442,30 @@ def check_sampling(size: dict[str, int], steps: int, guidance: float, image_guid
         raise UserError(f"cannot sample with {', '.join(problems)}; give values in those ranges")
 
 
+def soundtrack_of(cfg, text, model, device):
+    """The audio stream's sampler of a run that trained it (``model.train_audio``): its audio VAE
+    with vocoder, through the family's spec; None for a video-only run."""
+    from videodit.components import DTYPES, check_audio_model, check_audio_training
+    from videodit.diffusion.ltx2_audio_sampling import Soundtrack
+
+    if not cfg.model.train_audio:
+        return None
+    check_audio_training(cfg)
+    encoder = get_spec(cfg.model.family).build_audio(cfg.audio.kind, cfg.audio.path, cfg.audio.subfolder,
+                                                     dtype=DTYPES[cfg.audio.dtype], vocoder=True)
+    check_audio_model(model, encoder)
+    return Soundtrack(encoder.to(device), text)
+
+
 class Pipeline:
     """A trained model with its encoders and config, loaded from a checkpoint for sampling."""
 
     def __init__(self, ckpt_path: str | Path, device: str = "auto", use_ema: bool = True,
-                 low_noise: str | Path | None = None):
+                 low_noise: str | Path | None = None, audio: bool = False):
         """``low_noise``: the low-noise expert's run (or export) when ``ckpt_path`` is the high-noise
         expert of a two-expert model (Wan 2.2 A14B): they switch at the lower edge of the high
-        run's ``diffusion.timestep_range``, each guided by its own run's ``sample.cfg``."""
+        run's ``diffusion.timestep_range``, each guided by its own run's ``sample.cfg``. ``audio``: a
+        run that trained the audio stream (``model.train_audio``) samples its soundtrack (default: video only)."""
         from videodit.checkpoint import LoadedCheckpoint
         from videodit.components import build_encoders, build_image_encoder
         from videodit.config import from_yaml
@@ -461,6 +487,7 @@ class Pipeline:
         # any other model learnt given frames only from frame-mask training.
         self.image_model = getattr(getattr(self.model, "geometry", None), "task", "t2v") != "t2v"
         self.frame_masks = self.image_model or trained_with_frame_masks(self.cfg, getattr(ckpt, "export_info", None))
+        self.soundtrack = soundtrack_of(self.cfg, self.text, self.model, self.device) if audio else None
 
     def _load(self, ckpt, cfg, use_ema: bool):
         """(the model of ``ckpt``, on this device in eval mode, and which weights: "ema" or "model")."""
@@ -504,7 +531,7 @@ class Pipeline:
 
     def __call__(self, prompts: list[str], **options) -> np.ndarray:
         """Clips for ``prompts``: uint8 [N, T, H, W, 3] (:meth:`batches`, all at once)."""
-        return np.concatenate([clips for _, clips in self.batches(prompts, **options)])
+        return np.concatenate([clips for _, clips, *_ in self.batches(prompts, **options)])
 
     def batches(self, prompts: list[str], *, num_frames: int | None = None, height: int | None = None,
                 width: int | None = None, steps: int | None = None, guidance: float | None = None,
@@ -512,7 +539,7 @@ class Pipeline:
                 reference_frames: int | None = None, ref_mode: str | None = None, reference_end: str | None = None,
                 image_guidance: float | None = None, indices: Sequence[int] | None = None, batch_size: int = 16):
         """Clips for ``prompts`` (those of ``indices``, default all), a batch at a time: yields
-        (prompt indices, uint8 [n, T, H, W, 3]) as each batch is made. ``reference``: an image or video file whose first
+        (prompt indices, uint8 [n, T, H, W, 3][, soundtracks: with :attr:`soundtrack`]) as each batch is made. ``reference``: an image or video file whose first
         ``reference_frames`` frames (default: an image, the first frame for an image-to-video
         model, or the first half of the clip) open them. A model given frames as input channels
         (Open-Sora 2.0's) takes from it what ``ref_mode`` (default ``sample.ref_mode``) says, the
@@ -555,7 +582,8 @@ class Pipeline:
                                     guidance=scale, fps=fps, seed=seed, device=self.device, reference=ref,
                                     sampler=student or sample.sampler, negative_prompt=sample.negative_prompt,
                                     image_encoder=self.image_encoder, three_way=three_way, ref_mode=mode,
-                                    reference_end=ref_end, indices=indices, prepare=prepare, batch_size=batch_size)
+                                    reference_end=ref_end, indices=indices, prepare=prepare, batch_size=batch_size,
+                                    soundtrack=self.soundtrack)
 
     def _condition_reference(self, path: str, end_path: str | None, mode: str, size: dict):
         """(frames of ``path``, frames of ``end_path`` or None) that ``mode`` takes, as Open-Sora

@@ -143,7 +143,7 @@ def test_a_model_of_other_audio_tokens_fails_in_one_line(audio_toy, audio_vae, t
     assert "model.audio_channels=16" in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("extra, words", [({"parallel.pp": 2}, "parallel.pp"), ({"data.cache": "CACHE"}, "data.cache"),
+@pytest.mark.parametrize("extra, words", [({"parallel.pp": 2}, "parallel.pp"),
                                           ({"diffusion.mask_ratios": "{'image_head': 0.5}",
                                             "diffusion.first_frame_p": 0.0}, "mask_ratios")])
 def test_layouts_audio_training_does_not_run_yet_fail_in_one_line(audio_toy, audio_vae, tmp_path, extra, words):

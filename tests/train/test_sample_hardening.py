@@ -154,11 +154,11 @@ def test_a_stopped_prompts_run_resumes_and_equals_one_run(run, tmp_path, monkeyp
 
     real_write, calls, stop_at = video_write.write_video, [], [6]
 
-    def write(path, frames, fps):
+    def write(path, frames, fps, audio=None):
         calls.append(Path(path).name)
         if len(calls) == stop_at[0]:
             raise KeyboardInterrupt   # a stop in the middle: 5 clips written
-        return real_write(path, frames, fps)
+        return real_write(path, frames, fps, audio=audio)
 
     monkeypatch.setattr(video_write, "write_video", write)
     resumed = tmp_path / "resumed"

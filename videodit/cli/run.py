@@ -60,7 +60,7 @@ def cmd_sample(ns) -> int:
     if not one_file and out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; give a folder for {len(prompts)} prompt(s) (or a .mp4/.gif file "
                         "for one prompt)")
-    pipeline = Pipeline(ns.ckpt, device=ns.device, low_noise=ns.low_noise_ckpt)
+    pipeline = Pipeline(ns.ckpt, device=ns.device, low_noise=ns.low_noise_ckpt, audio=not ns.no_audio)
     size = pipeline.resolve(num_frames=ns.num_frames, height=ns.height, width=ns.width)
     if not ns.gif and out.suffix != ".gif" and (size["height"] % 2 or size["width"] % 2):
         raise UserError(f"mp4 needs an even height and width, got {size['height']}x{size['width']}; pass even "
@@ -68,11 +68,15 @@ def cmd_sample(ns) -> int:
     options = dict(**size, steps=ns.steps, guidance=ns.cfg, seed=ns.seed, reference=ns.ref,
                    reference_frames=ns.ref_frames, ref_mode=ns.ref_mode, reference_end=ns.ref_end,
                    image_guidance=ns.image_cfg)
+    if pipeline.soundtrack is not None:   # a run that trained its audio stream: each clip with its soundtrack
+        if ns.gif or out.suffix == ".gif":
+            raise UserError("a gif cannot hold this model's soundtrack; write mp4, or pass --no-audio with --gif")
+        options["audio"] = True   # recorded: a resumed folder keeps clips sampled with sound only
     fps = pipeline.cfg.sample.fps
     try:
         if one_file:
-            for _, clips in pipeline.batches(prompts, **options):
-                write_video(out, clips[0], fps)
+            for _, clips, *sounds in pipeline.batches(prompts, **_batch_options(options)):
+                write_video(out, clips[0], fps, audio=sounds[0][0] if sounds else None)
                 print(out, flush=True)
             return 0
         _sample_into_folder(pipeline, prompts, out, options, fps, ".gif" if ns.gif else ".mp4", ns.low_noise_ckpt)
@@ -133,14 +137,19 @@ def _sample_into_folder(pipeline, prompts: list[str], out: Path, options: dict, 
                disable=None, file=sys.stderr)
     before = signal.signal(signal.SIGTERM, _stop_on_sigterm)   # a stop removes the clip being written
     try:
-        for indices, clips in pipeline.batches(prompts, **options, indices=todo):
-            for k, clip in zip(indices, clips):
-                write_video(out / names[k], clip, fps)   # whole or not at all: a stop leaves no half clip
+        for indices, clips, *sounds in pipeline.batches(prompts, **_batch_options(options), indices=todo):
+            for i, (k, clip) in enumerate(zip(indices, clips)):
+                # whole or not at all: a stop leaves no half clip
+                write_video(out / names[k], clip, fps, audio=sounds[0][i] if sounds else None)
                 bar.write(str(out / names[k]), file=sys.stdout)
                 bar.update(1)
     finally:
         signal.signal(signal.SIGTERM, before)
         bar.close()
+
+
+def _batch_options(options: dict) -> dict:
+    return {key: value for key, value in options.items() if key != "audio"}
 
 
 def _stop_on_sigterm(signum, frame) -> None:
@@ -243,5 +252,7 @@ def register(sub) -> None:
                    "gets each clip as it is made (NN-prompt.mp4) and resumes: clips already there, sampled with the "
                    "same settings, are kept")
     p.add_argument("--gif", action="store_true", help="write gif instead of mp4")
+    p.add_argument("--no-audio", action="store_true", help="a model whose run trained its audio stream "
+                   "(model.train_audio): write the video alone (default: each mp4 with its generated soundtrack)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.set_defaults(func=cmd_sample)

@@ -16,7 +16,8 @@ dropout videodit draws after these (``diffusion.caption_dropout``) zeroes the te
 for it), CFG with the run's scale, STG (``diffusion.stg_scale``; one block's video self-attention
 skipped, ``ModelSpec.skip_self_attention``) and the rescale (``diffusion.guidance_rescale``); a
 given first frame (``--ref IMAGE``) is kept as LTX's ``VideoConditionByLatentIndex`` keeps it
-(strength 1).
+(strength 1). A model whose audio stream trained samples both streams (``audio``,
+``ltx2_sampler.sample_av``; its noise, text and decoding: ``ltx2_audio_sampling.py``).
 
 **Clip sizes** (:func:`check_clips`): LTX-2's video VAE (8 x 32 x 32, causal) takes 8k+1 frames
 and sides that are multiples of 32 pixels; every bucket of a run is checked against the VAE the
@@ -153,11 +154,13 @@ def first_frame(given) -> ltx2_sampler.FirstFrame | None:
 
 
 def denoise(model, spec, velocity: VelocityOf, cond, uncond, noise: torch.Tensor, *, steps: int, guidance: float,
-            diffusion, given=None) -> torch.Tensor:
+            diffusion, given=None, audio=None):
     """LTX-2's dev sampler (module docstring) from ``noise`` [N, C, F, H, W]. ``velocity(conditions)``
     gives ``v(x, sigma [N])``, the model's velocity with those conditions (their ``x_mask`` marks the
     given first frame, whose tokens the model sees at sigma 0, as LTX's per-token sigma has them);
-    ``guidance``: the CFG scale; ``diffusion``: ``diffusion.*`` (STG, rescale)."""
+    ``guidance``: the CFG scale; ``diffusion``: ``diffusion.*`` (STG, rescale). ``audio``: the audio
+    stream's :class:`ltx2_audio_sampling.AudioSampling`; then ``v(x, sigma, tokens, context)`` gives
+    both velocities and this returns (latents, audio tokens) (:func:`ltx2_sampler.sample_av`)."""
     if callable(guidance):
         raise UserError("LTX-2 has no two-expert models; give one guidance scale")
     scales = ltx2_sampler.Guidance(cfg=float(guidance), stg=float(diffusion.stg_scale),
@@ -168,6 +171,25 @@ def denoise(model, spec, velocity: VelocityOf, cond, uncond, noise: torch.Tensor
     def perturbed(x, sigma_tokens, sigma):
         with spec.skip_self_attention(model, block):
             return prompt(x, sigma)
+    if audio is not None:
+        return _denoise_av(prompt, negative, noise, audio, steps, scales, spec, model, block, given)
     return ltx2_sampler.sample(lambda x, sigma_tokens, sigma: prompt(x, sigma), noise, ltx2_sampler.sigmas(steps),
                                scales, uncond=lambda x, sigma_tokens, sigma: negative(x, sigma),
                                perturbed=perturbed, first_frame=first_frame(given))
+
+
+def _denoise_av(prompt, negative, noise, audio, steps: int, scales, spec, model, block, given):
+    """:func:`denoise` of both streams: the audio guided by LTX's audio CFG scale (``audio.cfg``; none
+    where the video's is off) and the run's rescale; the negative branch hears the negative prompt's
+    audio text (a dropped caption: zeros, as the spec drops it)."""
+    audio_scales = ltx2_sampler.Guidance(cfg=audio.cfg if scales.cfg != 1 else 1.0, stg=0.0, rescale=scales.rescale)
+    context = audio.context
+    negative_context = context if audio.negative is None else audio.negative.expand(context.shape[0], -1, -1)
+
+    def perturbed(x, a, sigma_tokens, sigma):
+        with spec.skip_self_attention(model, block):
+            return prompt(x, sigma, a, context)
+    return ltx2_sampler.sample_av(lambda x, a, sigma_tokens, sigma: prompt(x, sigma, a, context), noise, audio.noise,
+                                  ltx2_sampler.sigmas(steps), scales, audio_scales,
+                                  uncond=lambda x, a, sigma_tokens, sigma: negative(x, sigma, a, negative_context),
+                                  perturbed=perturbed, first_frame=first_frame(given))

@@ -28,9 +28,14 @@ they come out as given.
 
 Differences from the pipelines, by design: the loop state stays fp32 (theirs is bf16 between
 steps); the rescale's standard deviations are taken per sample (theirs over the batch: they run one
-sample, where the two agree); no audio stream, so no modality guidance (its branch skips the
-audio<->video cross-attentions, which a video-only model does not have: the term is zero) and no
-``skip_step`` (0 in every default).
+sample, where the two agree); no modality guidance (its branch skips the audio<->video
+cross-attentions: zero for a video-only model; left out with sound too) and no ``skip_step`` (0 in
+every default).
+
+**With sound** (:func:`sample_av`, a model whose audio stream trained): the audio tokens start from
+their own noise and go through the same sigmas and Euler steps, every model call giving both
+streams' velocities; the audio is guided with its own scales (LTX's audio guider: cfg 7, rescale
+0.7; its STG is left out, as videodit's STG branch skips the video self-attention only).
 """
 
 from __future__ import annotations
@@ -156,3 +161,48 @@ def sample(cond: Velocity, noise: torch.Tensor, schedule: torch.Tensor, guidance
             x0 = x0 * m + clean * (1 - m)
         x = x + (x - x0) / s * (s_next - s)
     return x
+
+
+# (x, audio tokens [B, Ta, C], sigma per video token, sigma per sample) -> (video velocity, audio velocity)
+JointVelocity = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def sample_av(cond: JointVelocity, noise: torch.Tensor, audio_noise: torch.Tensor, schedule: torch.Tensor,
+              guidance: Guidance = Guidance(), audio_guidance: Guidance = Guidance(cfg=7.0, stg=0.0), *,
+              uncond: JointVelocity | None = None, perturbed: JointVelocity | None = None,
+              first_frame: FirstFrame | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(video latents, audio tokens), fp32, from ``noise`` and ``audio_noise`` [B, Ta, C] as the
+    pipelines denoise both streams (diffusers' ``LTX2Pipeline``, ltx-pipelines' A/V loop): one
+    schedule, each branch's model call gives both velocities, each stream turned into its data
+    estimate (the audio tokens at the sample's sigma: no given audio), guided with its own scales
+    (``audio_guidance``) and stepped by the same Euler step. :func:`sample`'s other rules hold."""
+    def on(g: Guidance) -> tuple[bool, bool]:
+        return g.cfg != 1, g.stg != 0
+    (v_cfg, v_stg), (a_cfg, a_stg) = on(guidance), on(audio_guidance)
+    if (v_cfg or a_cfg) and uncond is None:
+        raise ValueError("cfg != 1 needs the negative prompt's velocity (uncond)")
+    if (v_stg or a_stg) and perturbed is None:
+        raise ValueError("stg != 0 needs the STG branch's velocity (perturbed)")
+    branches = [cond, uncond if v_cfg or a_cfg else None, perturbed if v_stg or a_stg else None]
+    x, a = noise.float(), audio_noise.float()
+    b, _, frames, height, width = x.shape
+    mask = torch.ones(b, frames * height * width, dtype=torch.float32, device=x.device)
+    clean = None
+    if first_frame is not None:
+        clean, mask = first_frame.clean_and_mask(x)
+        x = torch.lerp(clean, x, per_token(mask, x))
+    schedule = schedule.to(device=x.device, dtype=torch.float32)
+    for s, s_next in zip(schedule[:-1], schedule[1:]):
+        sigma_tokens = mask * s
+        sigma = s.expand(b)
+        outs = [None if f is None else f(x, a, sigma_tokens, sigma) for f in branches]
+        video = [None if o is None else x - o[0].float() * per_token(sigma_tokens, x) for o in outs]
+        audio = [None if o is None else a - o[1].float() * s for o in outs]
+        x0 = guide(video[0], video[1] if v_cfg else None, video[2] if v_stg else None, guidance)
+        a0 = guide(audio[0], audio[1] if a_cfg else None, audio[2] if a_stg else None, audio_guidance)
+        if clean is not None:
+            m = per_token(mask, x)
+            x0 = x0 * m + clean * (1 - m)
+        x = x + (x - x0) / s * (s_next - s)
+        a = a + (a - a0) / s * (s_next - s)
+    return x, a

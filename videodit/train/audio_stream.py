@@ -15,15 +15,23 @@ LTX-2's audio stream has no padding mask: every clip of a batch must give the sa
 tokens (a bucket's clips of one frame rate do); a batch mixing lengths is refused in one line.
 The target and mask of the micro-batch in flight are held here between ``noised`` and the loss
 (the parallel layer hands the loss the video target alone), so no pipeline parallelism.
+
+With ``data.cache`` the cache stores each clip's audio latents and the audio stream's caption tokens
+(data/feature_cache/audio.py): no audio VAE is built (its stand-in gives the token layout and width)
+and a cached batch (``CachedBatch.audio_latents``) is read in place of encoding; a cache without
+them is refused in one line naming ``videodit cache build``.
 """
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 
 from videodit.components import build_audio_encoder, check_audio_model, check_audio_training
+from videodit.data.feature_cache.audio import CachedAudioEncoder, require_audio
+from videodit.data.feature_cache.format import read_manifest
 from videodit.errors import UserError
 from videodit.models.spec import AudioInputs
 
@@ -45,31 +53,32 @@ class AudioStream:
         check_audio_training(cfg)
         if not cfg.model.train_audio:
             return None
-        cannot = [(cfg.data.cache, "data.cache (its stored features hold no audio latents yet)"),
-                  (cfg.parallel.pp > 1, "parallel.pp > 1 (the audio stream is not passed through pipeline stages)"),
+        cannot = [(cfg.parallel.pp > 1, "parallel.pp > 1 (the audio stream is not passed through pipeline stages)"),
                   (cfg.distill.method, f"distill.method={cfg.distill.method}"),
                   (cfg.diffusion.mask_ratios is not None, "diffusion.mask_ratios (Open-Sora 1.2's frame masks)"),
-                  (not hasattr(text, "encode_streams"),
+                  (not cfg.data.cache and not hasattr(text, "encode_streams"),   # a cache stores its result
                    f"text.kind={cfg.text.kind} (it gives no audio-stream text; text.kind=gemma3-ltx2 does)")]
         for refused, why in cannot:
             if refused:
                 raise UserError(f"model.train_audio does not run with {why}; set model.train_audio=false or drop that")
         if not hasattr(objective, "noised_audio"):
             raise UserError(f"model.train_audio: the {cfg.model.family} objective has no audio stream")
-        return cls(build_audio_encoder(cfg, device), text, objective, device, cfg.train.grad_accum)
+        encoder = _cached_audio_encoder(cfg.data.cache) if cfg.data.cache else build_audio_encoder(cfg, device)
+        return cls(encoder, text, objective, device, cfg.train.grad_accum)
 
     # ------------------------------------------------------------------ a micro-batch
 
     def tokens(self, batch) -> torch.Tensor:
-        """The clean audio tokens [B, Ta, C] of the batch's mel, each clip cut at its own length."""
-        if batch.audio is None:
+        """The clean audio tokens [B, Ta, C] of the batch's mel, each clip cut at its own length (a
+        cached batch: its stored latents)."""
+        if getattr(batch, "audio_latents", None) is not None:
+            _one_length({int(n) for n in batch.audio_frames})
+            latents = batch.audio_latents[:, :, :int(batch.audio_frames[0])].to(self.device, non_blocking=True)
+            return self.encoder.tokens(latents).contiguous()
+        if getattr(batch, "audio", None) is None:
             raise UserError("model.train_audio: the batch carries no soundtracks (the loader was built without audio)")
         lengths = [int(n) for n in batch.audio_lengths]
-        frames = {self.encoder.latent_frames(n) for n in lengths}
-        if len(frames) > 1:
-            raise UserError(f"model.train_audio: a batch holds soundtracks of {' and '.join(map(str, sorted(frames)))} "
-                            "latent frames; LTX-2's audio stream has no padding mask, so a batch takes clips of one "
-                            "length: give the clips of a bucket one frame rate, or use train.batch_size=1")
+        _one_length({self.encoder.latent_frames(n) for n in lengths})
         mel = batch.audio.to(self.device, non_blocking=True)
         if len(set(lengths)) == 1:
             latents = self.encoder.encode(mel[:, :, :lengths[0]])
@@ -82,7 +91,9 @@ class AudioStream:
         wait here for the loss (:meth:`loss_fn`). ``encoding``: the frozen encoders' context (bf16 autocast)."""
         with torch.no_grad(), encoding():
             tokens = self.tokens(batch).float()
-            _, context, _ = self.text.encode_streams(batch.text)
+            cached = getattr(batch, "audio_context", None)
+            context = cached.to(self.device, non_blocking=True) if cached is not None else \
+                self.text.encode_streams(batch.text)[1]
         drawn = self.objective.noised_audio(tokens, generator)
         present = batch.audio_mask.to(self.device, non_blocking=True)
         self.pending = (drawn.target, present[:, None].expand(tokens.shape[:2]))
@@ -109,3 +120,18 @@ class AudioStream:
         collective, as the step's other metrics."""
         local = float(torch.stack(self.losses).mean()) if self.losses else 0.0
         return {"audio_loss": ctx.mean(local)}
+
+
+def _one_length(frames: set[int]) -> None:
+    """Refuse, in one line, a batch whose clips give different numbers of audio latent frames."""
+    if len(frames) > 1:
+        raise UserError(f"model.train_audio: a batch holds soundtracks of {' and '.join(map(str, sorted(frames)))} "
+                        "latent frames; LTX-2's audio stream has no padding mask, so a batch takes clips of one "
+                        "length: give the clips of a bucket one frame rate, or use train.batch_size=1")
+
+
+def _cached_audio_encoder(folder: str) -> CachedAudioEncoder:
+    """The audio VAE's stand-in of an audio cache (refused in one line: a cache without audio latents)."""
+    manifest = read_manifest(Path(folder))
+    require_audio(manifest, folder)
+    return CachedAudioEncoder(manifest)

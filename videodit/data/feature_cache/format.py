@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from videodit.config import Config, DataConfig
+from videodit.data.feature_cache.audio import audio_problem
 from videodit.data.feature_cache.conditions import conditions_problem
 from videodit.errors import UserError
 from videodit.user_files import FileTooLarge, NotRegularFile, check_regular_file, open_user_file, read_user_text
@@ -176,7 +177,17 @@ def encoder_identity(cfg: Config) -> dict:
     if cfg.data.caption_suffix != "none":
         text["caption_suffix"] = cfg.data.caption_suffix
     image = image_encoder_identity(cfg)   # only for a model with one: other caches keep their manifest
-    return {"vae": vae, "text": text, **({"image": image} if image else {})}
+    audio = audio_encoder_identity(cfg)   # only for a model.train_audio run (audio.py)
+    return {"vae": vae, "text": text, **({"image": image} if image else {}), **({"audio": audio} if audio else {})}
+
+
+def audio_encoder_identity(cfg: Config) -> dict | None:
+    """The audio VAE of a ``model.train_audio`` config (``audio.*``), as the cache records it; None
+    for a video-only run."""
+    if not cfg.model.train_audio or cfg.audio.kind == "none":
+        return None
+    return {"kind": cfg.audio.kind, "subfolder": cfg.audio.subfolder, "dtype": cfg.audio.dtype,
+            **_model_files(cfg.audio.path, cfg.audio.subfolder)}
 
 
 def bucket_layout(data: DataConfig, buckets) -> dict:
@@ -230,8 +241,8 @@ def check_compatible(manifest: dict, cfg: Config, buckets, where: str) -> None:
     fix = f"rebuild it with `videodit cache build CONFIG --out NEW_DIR` for this config, or train with the " \
           f"settings it was built with (`videodit cache info {where}` lists them)"
     wanted = encoder_identity(cfg)
-    for name, key in (("VAE", "vae"), ("text encoder", "text"), ("image encoder", "image")):
-        if key not in wanted or key not in manifest["encoders"]:   # image features: one side has none
+    for name, key in (("VAE", "vae"), ("text encoder", "text"), ("image encoder", "image"), ("audio VAE", "audio")):
+        if key not in wanted or key not in manifest["encoders"]:   # image features or audio: one side has none
             continue
         cached = manifest["encoders"][key]
         if _encoder_differs(cached, wanted[key]):
@@ -355,7 +366,7 @@ def manifest_problem(m: dict) -> str | None:
         return "latent.shapes is not one [C, T, H, W] per bucket"
     if not _int_list(latent["frames"]) or min(latent["spatial_compression"], m["text_geometry"]["dim"]) < 1:
         return "latent.frames, latent.spatial_compression or text_geometry.dim is invalid"
-    return conditions_problem(m)
+    return conditions_problem(m) or audio_problem(m)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

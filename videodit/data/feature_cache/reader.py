@@ -21,6 +21,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file as load_safetensors
 from torch.utils.data import Dataset
 
+from videodit.data.feature_cache.audio import TENSORS as AUDIO_TENSORS
+from videodit.data.feature_cache.audio import collate_audio
 from videodit.data.feature_cache.conditions import EMPTY_CAPTION, FIRST_FRAME, IMAGE, POOLED
 from videodit.data.feature_cache.format import (FAILED, INDEX, SHARDS, read_manifest, regular, shard_name,
                                                 tensor_key)
@@ -241,6 +243,11 @@ class CachedBatch:
     first_frame: torch.Tensor | None = None   # [B, C, T', H', W'] float32: latents of the clip with only that frame
     image: torch.Tensor | None = None         # [B, tokens, dim] float32: its image features
     pooled: torch.Tensor | None = None        # [B, dim] float32: the pooled caption vectors of an encoder with them
+    # The soundtrack of a model.train_audio run from an audio cache (audio.py), None otherwise:
+    audio_latents: torch.Tensor | None = None   # [B, C, T', F] float32, zero after each clip's own frames
+    audio_frames: torch.Tensor | None = None    # [B] int64: each clip's latent frames
+    audio_mask: torch.Tensor | None = None      # [B] bool: False for a clip without a soundtrack (silence)
+    audio_context: torch.Tensor | None = None   # [B, L, D_audio] float32: the audio stream's caption tokens
 
     def __len__(self) -> int:
         return self.latents.shape[0]
@@ -263,16 +270,18 @@ class CachedBatch:
             return None if t is None else t.pin_memory()
         return replace(self, latents=self.latents.pin_memory(), y=self.y.pin_memory(),
                        y_mask=self.y_mask.pin_memory(), fps=self.fps.pin_memory(), first_frame=pin(self.first_frame),
-                       image=pin(self.image), pooled=pin(self.pooled))
+                       image=pin(self.image), pooled=pin(self.pooled), audio_latents=pin(self.audio_latents),
+                       audio_frames=pin(self.audio_frames), audio_mask=pin(self.audio_mask),
+                       audio_context=pin(self.audio_context))
 
 
 class CachedDataset(Dataset):
     """Cached samples by ``(index, epoch, bucket)`` key (``index``: the source clip), with the
     first-frame ``conditions`` (names, conditions.py) the model takes; others the cache holds
-    are not read."""
+    are not read; with ``audio`` also each sample's soundtrack tensors (audio.py)."""
 
-    def __init__(self, cache: FeatureCache, conditions: tuple[str, ...] = ()):
-        self.cache, self.conditions = cache, tuple(conditions)
+    def __init__(self, cache: FeatureCache, conditions: tuple[str, ...] = (), audio: bool = False):
+        self.cache, self.conditions, self.audio = cache, tuple(conditions), audio
 
     def __len__(self) -> int:
         return self.cache.num_clips
@@ -283,13 +292,14 @@ class CachedDataset(Dataset):
         latent, tokens = self.cache.tensors(row)
         return {"latent": latent, "tokens": tokens, "offset": int(self.cache.text_offset[row]),
                 "fps": float(self.cache.fps[row]), "pixels": self.cache.shapes[int(self.cache.bucket[row])],
-                **{name: self.cache.condition(row, name) for name in self.conditions}}
+                **{name: self.cache.condition(row, name) for name in self.conditions + (AUDIO_TENSORS if self.audio
+                                                                                          else ())}}
 
     def __getitems__(self, keys: list[tuple[int, int, int]]) -> list[dict]:
         return [self[key] for key in keys]
 
 
-def collate_cached(samples: list[dict], max_length: int, dim: int) -> CachedBatch:
+def collate_cached(samples: list[dict], max_length: int, dim: int, audio_dim: int = 0) -> CachedBatch:
     """Stack latents (and first-frame conditions, where the samples have them) as float32 and
     pad captions back to ``max_length`` tokens with zeros."""
     y = torch.zeros(len(samples), max_length, dim)
@@ -305,17 +315,17 @@ def collate_cached(samples: list[dict], max_length: int, dim: int) -> CachedBatc
     return CachedBatch(latents=stacked("latent"), y=y, y_mask=mask,
                        fps=torch.tensor([s["fps"] for s in samples], dtype=torch.float32),
                        pixels=samples[0]["pixels"], first_frame=stacked(FIRST_FRAME), image=stacked(IMAGE),
-                       pooled=stacked(POOLED))
+                       pooled=stacked(POOLED), **collate_audio(samples, max_length, audio_dim))
 
 
 class Collate:
     """A picklable ``collate_fn`` (DataLoader workers) for one caption geometry."""
 
-    def __init__(self, max_length: int, dim: int):
-        self.max_length, self.dim = max_length, dim
+    def __init__(self, max_length: int, dim: int, audio_dim: int = 0):
+        self.max_length, self.dim, self.audio_dim = max_length, dim, audio_dim
 
     def __call__(self, samples: list[dict]) -> CachedBatch:
-        return collate_cached(samples, self.max_length, self.dim)
+        return collate_cached(samples, self.max_length, self.dim, self.audio_dim)
 
 
 # --------------------------------------------------------------------------- encoder stand-ins

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 from videodit.config import Config, DataConfig
 from videodit.data.buckets.assign import Bucket, build_buckets
 from videodit.data.buckets.config import resolve_bucket_config
+from videodit.data.feature_cache.audio import require_audio
 from videodit.data.feature_cache.conditions import require, wanted
 from videodit.data.feature_cache.format import MANIFEST, VALIDATION, check_compatible
 from videodit.data.feature_cache.reader import (CachedDataset, CachedTextEncoder, CachedVAE, Collate,
@@ -92,6 +93,9 @@ def build_cached_training_data(cfg: Config, *, batch_size: int, seed: int, dp_ra
     cache = FeatureCache(cfg.data.cache)
     buckets = config_buckets(cfg.data, batch_size)
     check_compatible(cache.manifest, cfg, buckets, cfg.data.cache)
+    audio = bool(cfg.model.train_audio)   # the soundtracks' latents: read for an audio run only
+    if audio:
+        require_audio(cache.manifest, cfg.data.cache)
     sizes = [b.batch_size for b in buckets]
     plan = CachePlan(buckets, "fc-" + fingerprint(cache.manifest["items_digest"], cache.manifest["layout"], sizes,
                                                   cache.views))
@@ -103,7 +107,9 @@ def build_cached_training_data(cfg: Config, *, batch_size: int, seed: int, dp_ra
                         f"buckets has a batch size's worth x {dp_size} rank(s); lower the batch sizes "
                         f"(`videodit cache info {cache.folder}` shows the samples per bucket)")
     vae, text = CachedVAE(cache.manifest), CachedTextEncoder(cache.manifest, cache.folder)
-    loader = DataLoader(CachedDataset(cache), batch_sampler=sampler, collate_fn=Collate(text.max_length, text.dim),
+    audio_dim = int(cache.manifest["audio"]["text_dim"]) if audio else 0
+    loader = DataLoader(CachedDataset(cache, audio=audio), batch_sampler=sampler,
+                        collate_fn=Collate(text.max_length, text.dim, audio_dim),
                         num_workers=cfg.data.num_workers, persistent_workers=cfg.data.num_workers > 0,
                         pin_memory=pin_memory)
     return CachedTrainData(CacheSummary(cache), plan, loader.dataset, sampler, loader, vae, text)

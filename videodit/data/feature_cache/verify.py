@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from videodit.data.feature_cache.audio import ANY
+from videodit.data.feature_cache.audio import tensor_shapes as audio_shapes
 from videodit.data.feature_cache.conditions import tensor_shapes
 from videodit.data.feature_cache.format import SHARDS, shard_name, tensor_key
 from videodit.errors import UserError
@@ -95,7 +97,15 @@ def expected_tensors(manifest: dict, clip, view, bucket, text_len) -> dict[str, 
         out[tensor_key(c, v, "text")] = ([n, dim], dtype)
         for condition, shape in conditions[str(b)].items():
             out[tensor_key(c, v, condition)] = (shape, dtype)
+        for name, shape in audio_shapes(manifest, n).items():   # an audio cache's (audio.py)
+            out[tensor_key(c, v, name)] = (shape, dtype)
     return out
+
+
+def _shape_matches(shape, expected: list[int]) -> bool:
+    """Whether a header's shape is ``expected`` (``audio.ANY``: any positive size there)."""
+    return isinstance(shape, list) and len(shape) == len(expected) and all(
+        isinstance(n, int) and (n == e or (e == ANY and n >= 1)) for n, e in zip(shape, expected))
 
 
 def shard_problem(path: Path, expected: dict, record: dict | None | bool) -> str | None:
@@ -114,11 +124,11 @@ def shard_problem(path: Path, expected: dict, record: dict | None | bool) -> str
         end = 0
         for name, (shape, dtype) in expected.items():
             entry = header[name]
-            if list(entry.get("shape", ())) != shape or entry.get("dtype") != dtype:
+            if not _shape_matches(entry.get("shape"), shape) or entry.get("dtype") != dtype:
                 return (f"tensor {name!r} is {entry.get('dtype')} {entry.get('shape')}, the index says {dtype} "
                         f"{shape}")
             lo, hi = entry["data_offsets"]
-            if hi - lo != int(np.prod(shape)) * _ST_SIZE[dtype]:
+            if hi - lo != int(np.prod(entry["shape"])) * _ST_SIZE[dtype]:
                 return f"tensor {name!r} has {hi - lo} bytes for its shape"
             end = max(end, hi)
         if start + end != size:

@@ -86,10 +86,10 @@ class LTX2Spec(ModelSpec):
         from videodit.models.ltx2.text import load_ltx2_text   # transformers, only when asked
         return load_ltx2_text(path, max_length=max_length, dtype=dtype, audio=audio)
 
-    def build_audio(self, kind, path, subfolder, *, dtype):
-        """LTX-2's frozen audio VAE (no vocoder: training encodes only)."""
+    def build_audio(self, kind, path, subfolder, *, dtype, vocoder: bool = False):
+        """LTX-2's frozen audio VAE; ``vocoder``: with its vocoder (sampling; training encodes only)."""
         from videodit.models.ltx2.audio_vae import build_ltx2_audio   # diffusers, only when asked
-        return build_ltx2_audio(path, subfolder, dtype=dtype, vocoder=False, key="audio.path")
+        return build_ltx2_audio(path, subfolder, dtype=dtype, vocoder=vocoder, key="audio.path")
 
     def audio_channels(self, geometry: LTX2Geometry) -> int:
         return geometry.audio_in_channels
