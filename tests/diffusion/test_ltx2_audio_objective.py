@@ -10,7 +10,6 @@ tokens out of the audio loss (its per-sample mask), which with every clip soundi
 
 import pytest
 import torch
-from einops import rearrange
 
 from videodit.config import load_config
 from videodit.diffusion import ltx2_schedule
@@ -48,6 +47,16 @@ class ShiftedLogitNormalTimestepSampler:
         b = min_shift - m * min_tokens
         return m * seq_length + b
 
+
+
+# einops' rearrange as ltx-trainer calls it, in the same torch ops (a permute, then a reshape):
+# einops is not one of our dependencies.
+def video_tokens(x):   # "b c f h w -> b (f h w) c"
+    return x.permute(0, 2, 3, 4, 1).reshape(x.shape[0], -1, x.shape[1])
+
+
+def audio_tokens(x):   # "b c t f -> b t (c f)"
+    return x.permute(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1)
 
 def initialize_noisy_target(latents, timestep_sampler):
     batch_size, seq_len, _ = latents.shape
@@ -91,12 +100,12 @@ def ltx_trainer_step(seed, video_latents, audio_latents, first_frame_p):
     torch.manual_seed(seed)
     sampler = ShiftedLogitNormalTimestepSampler()
     _, _, _, height, width = video_latents.shape
-    video = rearrange(video_latents, "b c f h w -> b (f h w) c")
+    video = video_tokens(video_latents)
     v_noisy, v_targets, v_timesteps, v_mask, v_sigmas = initialize_noisy_target(video, sampler)
     if first_frame_p > 0:
         v_noisy, v_timesteps, v_mask = apply_first_frame(v_noisy, video, v_timesteps, v_mask, first_frame_p,
                                                          height, width)
-    audio = rearrange(audio_latents, "b c t f -> b t (c f)")
+    audio = audio_tokens(audio_latents)
     a_noisy, a_targets, a_timesteps, a_mask, a_sigmas = initialize_noisy_target(audio, sampler)
     return dict(v_noisy=v_noisy, v_targets=v_targets, v_timesteps=v_timesteps, v_mask=v_mask, v_sigmas=v_sigmas,
                 a_noisy=a_noisy, a_targets=a_targets, a_timesteps=a_timesteps, a_mask=a_mask, a_sigmas=a_sigmas)
@@ -123,7 +132,7 @@ def test_draws_targets_and_loss_are_ltx_trainers_bit_for_bit(seed, first_frame_p
 
     generator = torch.Generator().manual_seed(seed)   # the trainer's batch generator: video, then audio
     video = ltx2_schedule.noised(x0, generator, first_frame_p)
-    tokens = rearrange(a0, "b c t f -> b t (c f)")   # the audio VAE's tokens()
+    tokens = audio_tokens(a0)   # the audio VAE's tokens()
     audio = OBJECTIVE.noised_audio(tokens, generator)
 
     to_tokens = ltx2_schedule.to_tokens
