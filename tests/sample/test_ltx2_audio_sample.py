@@ -12,36 +12,14 @@ from conftest import tiny_overrides
 from videodit.cli import main
 from videodit.config import load_config
 from videodit.diffusion import ltx2_sampler
-from videodit.models.ltx2.audio_stand_ins import save_ltx2_audio_vae
-from videodit.toy.encoder import ToyTextEncoder
 from videodit.train.trainer import Trainer
+
+from train.test_ltx2_audio_train import TwoStreamText, audio_toy, audio_vae  # noqa: F401
 
 LTX2 = {"model.preset": "ltx2-tiny", "model.patch_size": "[1,1,1]", "text.dim": 32, "data.height": 8,
         "data.width": 8, "diffusion.prediction": "velocity", "diffusion.loss_space": "velocity",
         "sample.steps": 2, "train.deterministic": True, "train.batch_size": 2, "train.sample_every": 0,
         "train.max_steps": 1}
-
-
-class TwoStreamText(ToyTextEncoder):
-    """The toy encoder with an audio stream's text, as LTX-2's ``encode_streams`` gives it."""
-
-    def encode_streams(self, captions):
-        y, mask = self.encode(captions)
-        return y, y[..., :16], mask
-
-
-@pytest.fixture(scope="module")
-def audio_toy(tmp_path_factory):
-    from videodit.toy.make import make_toy_dataset
-
-    out = tmp_path_factory.mktemp("toy_audio")
-    make_toy_dataset(out, clips_per_combination=1, num_frames=8, height=16, width=16, seed=0, audio=True)
-    return out
-
-
-@pytest.fixture(scope="module")
-def audio_vae(tmp_path_factory):
-    return save_ltx2_audio_vae(tmp_path_factory.mktemp("audio_vae"), base_channels=16, latent_channels=1, mel_bins=64)
 
 
 @pytest.fixture(scope="module")

@@ -129,6 +129,19 @@ def guide(c: torch.Tensor, u: torch.Tensor | None, p: torch.Tensor | None, guida
     return pred
 
 
+def _start(noise: torch.Tensor, first_frame: FirstFrame | None):
+    """(x, LTX's denoise mask per token, the given clean latents or None) before the first step:
+    the noise, with a given first frame's tokens moved to it."""
+    x = noise.float()
+    b, _, frames, height, width = x.shape
+    mask = torch.ones(b, frames * height * width, dtype=torch.float32, device=x.device)
+    clean = None
+    if first_frame is not None:
+        clean, mask = first_frame.clean_and_mask(x)
+        x = torch.lerp(clean, x, per_token(mask, x))
+    return x, mask, clean
+
+
 def sample(cond: Velocity, noise: torch.Tensor, schedule: torch.Tensor, guidance: Guidance = Guidance(), *,
            uncond: Velocity | None = None, perturbed: Velocity | None = None,
            first_frame: FirstFrame | None = None) -> torch.Tensor:
@@ -141,13 +154,8 @@ def sample(cond: Velocity, noise: torch.Tensor, schedule: torch.Tensor, guidance
     if guidance.stg != 0 and perturbed is None:
         raise ValueError(f"stg={guidance.stg} needs the STG branch's velocity (perturbed)")
     branches = [cond, uncond if guidance.cfg != 1 else None, perturbed if guidance.stg != 0 else None]
-    x = noise.float()
-    b, _, frames, height, width = x.shape
-    mask = torch.ones(b, frames * height * width, dtype=torch.float32, device=x.device)   # LTX's denoise mask
-    clean = None
-    if first_frame is not None:
-        clean, mask = first_frame.clean_and_mask(x)
-        x = torch.lerp(clean, x, per_token(mask, x))
+    x, mask, clean = _start(noise, first_frame)
+    b = x.shape[0]
     schedule = schedule.to(device=x.device, dtype=torch.float32)
     for s, s_next in zip(schedule[:-1], schedule[1:]):
         sigma_tokens = mask * s
@@ -184,13 +192,8 @@ def sample_av(cond: JointVelocity, noise: torch.Tensor, audio_noise: torch.Tenso
     if (v_stg or a_stg) and perturbed is None:
         raise ValueError("stg != 0 needs the STG branch's velocity (perturbed)")
     branches = [cond, uncond if v_cfg or a_cfg else None, perturbed if v_stg or a_stg else None]
-    x, a = noise.float(), audio_noise.float()
-    b, _, frames, height, width = x.shape
-    mask = torch.ones(b, frames * height * width, dtype=torch.float32, device=x.device)
-    clean = None
-    if first_frame is not None:
-        clean, mask = first_frame.clean_and_mask(x)
-        x = torch.lerp(clean, x, per_token(mask, x))
+    (x, mask, clean), a = _start(noise, first_frame), audio_noise.float()
+    b = x.shape[0]
     schedule = schedule.to(device=x.device, dtype=torch.float32)
     for s, s_next in zip(schedule[:-1], schedule[1:]):
         sigma_tokens = mask * s
