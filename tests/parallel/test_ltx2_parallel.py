@@ -1,16 +1,17 @@
 """The LTX-2 family under torchrun (gloo, 2 CPU processes, fp32) against one process, on the same
 batch, in one launch: a tiny LTX-2.3 (4 heads: TP and Ulysses leave 2 per rank; 27 video tokens:
-sp=2 pads a slice) through ``parallelize`` and one forward and backward, under FSDP2, TP=2 (with
-the audio stream too, and LTX-2.0's caption projections at the root), Ulysses SP=2 and ring SP=2
-(each with the audio stream: whole on every rank, video -> audio attention as a ring over the
-video keys), PP=2 (1F1B; GPipe on LTX-2.0), selective checkpointing under SP, and LoRA under FSDP2
-+ SP. Without audio the trainer's path (``model_inputs``: a time per token, the first sample's
-first frame given); with audio both outputs' loss.
+sp=2 pads a slice) through ``parallelize`` and one forward and backward, under FSDP2 (with the
+audio stream too), TP=2 (with the audio stream too, and LTX-2.0's caption projections at the
+root), Ulysses SP=2 and ring SP=2 (each with the audio stream: whole on every rank, video -> audio
+attention as a ring over the video keys), PP=2 (1F1B; GPipe on LTX-2.0; each with the audio stream
+too: carried through the stages, its target cut per micro-batch), selective checkpointing under
+SP, and LoRA under FSDP2 + SP. The trainer's path (``model_inputs``: a time per token, the first
+sample's first frame given; ``forward_backward``); with audio both outputs' loss.
 
 Tolerance: the loss and every gradient within 1e-5 of its largest magnitude (``tests/tolerance.py``'s
-measure). Measured (x86, torch 2.14): FSDP2 and PP exact (PP's reference runs the same
-micro-batches), TP <= 3.7e-6, Ulysses <= 1.6e-6, ring <= 2.5e-6, LoRA 2.3e-6: fp32 reduction order
-(TP's all-reduces, the ring's log-sum-exp merges), a factor 3 below the bound.
+measure). Measured (x86, torch 2.14): FSDP2 and PP exact, with audio too (PP's reference runs the
+same micro-batches), TP <= 3.7e-6, Ulysses <= 1.6e-6, ring <= 2.5e-6, LoRA 2.3e-6: fp32 reduction
+order (TP's all-reduces, the ring's log-sum-exp merges), a factor 3 below the bound.
 
 Also, without torchrun: LTX-2's one-line SP error, the TP plan, and one dynamic graph under
 ``train.compile`` serving three video grids (aot_eager: Dynamo and AOTAutograd as inductor).
@@ -31,6 +32,7 @@ WORKER = Path(__file__).parent / "workers" / "ltx2_worker.py"
 TOLERANCE = 1e-5
 LAYOUTS = [
     {"name": "fsdp", "parallel": {"dp_shard": 2}},
+    {"name": "fsdp_audio", "parallel": {"dp_shard": 2}, "audio": True},
     {"name": "tp", "parallel": {"tp": 2}},
     {"name": "tp_audio", "parallel": {"tp": 2}, "audio": True},
     {"name": "tp_ltx2.0_audio", "parallel": {"tp": 2}, "version": "2.0", "audio": True},
@@ -40,15 +42,17 @@ LAYOUTS = [
     {"name": "ring_audio", "parallel": {"sp": 2, "sp_ring": 2}, "audio": True},
     {"name": "pp", "parallel": {"pp": 2}},
     {"name": "pp_gpipe_ltx2.0", "parallel": {"pp": 2, "pp_schedule": "gpipe"}, "version": "2.0"},
+    {"name": "pp_audio", "parallel": {"pp": 2}, "audio": True},
+    {"name": "pp_gpipe_ltx2.0_audio", "parallel": {"pp": 2, "pp_schedule": "gpipe"}, "version": "2.0", "audio": True},
     {"name": "selective_ulysses_audio", "parallel": {"sp": 2}, "audio": True,
      "memory": {"checkpointing": "selective"}},
     {"name": "lora_fsdp_sp", "parallel": {"sp": 2}, "lora": True, "audio": True},
 ]
 # video-only: the video stream's 77 parameters of LTX-2.3 (65 of LTX-2.0); with audio every one of
 # the tiny model's; LoRA: 5 adapted layers x 2 blocks x 2 adapters
-GRADIENTS = {"fsdp": 77, "tp": 77, "tp_audio": 230, "tp_ltx2.0_audio": 198, "ulysses": 77, "ulysses_audio": 230,
-             "ring": 77, "ring_audio": 230, "pp": 77, "pp_gpipe_ltx2.0": 65, "selective_ulysses_audio": 230,
-             "lora_fsdp_sp": 20}
+GRADIENTS = {"fsdp": 77, "fsdp_audio": 230, "tp": 77, "tp_audio": 230, "tp_ltx2.0_audio": 198, "ulysses": 77,
+             "ulysses_audio": 230, "ring": 77, "ring_audio": 230, "pp": 77, "pp_gpipe_ltx2.0": 65, "pp_audio": 230,
+             "pp_gpipe_ltx2.0_audio": 198, "selective_ulysses_audio": 230, "lora_fsdp_sp": 20}
 
 
 def test_layouts_match_one_process(tmp_path):

@@ -57,6 +57,8 @@ class ParallelModel:
     local_model: nn.Module          # this rank's parameters, named as in the whole model
     module: nn.Module               # what a step calls when there is no pipeline
     loss_fn: Callable               # (model output, x_t, t, velocity target) -> mean loss
+    # A loss with ``extra_targets()`` (the micro-batch's other per-sample targets: LTX-2's audio
+    # stream's) takes them as keywords under a pipeline; it reads its own otherwise.
     ctx: DistContext
     pipeline: PipelineSchedule | None = None
     autocast_dtype: torch.dtype | None = None
@@ -108,7 +110,9 @@ class ParallelModel:
                 geometry = self.local_model.geometry
                 packed = pack_target(noisy_latents(inputs, target), target, inputs[1], x_mask,
                                      spec_of(geometry).patch_size(geometry)[0])
-                return self.pipeline.step(inputs, packed, scale)
+                # A loss's own targets of the micro-batch (LTX-2's audio), cut with the video's
+                extra = getattr(self.loss_fn, "extra_targets", dict)()
+                return self.pipeline.step(inputs, packed, scale, extra)
         with gradient_sync(self.module, enabled=sync):
             loss = self.loss(inputs, target) * scale
             loss.backward()

@@ -6,9 +6,16 @@ embedding, the last stage the output layer. A stage is the family's ``pipeline_s
 model restricted to some of its parts, whose submodules keep their names in the whole model,
 so the stages' state dicts, optimizer states and DCP shards add up to the model's and a
 checkpoint written under one layout loads into any other. What travels between stages is the
-family's too (``stage_io`` declares it; STDiT's: ``models/stdit/stage.py``). With an
-interleaved schedule a rank holds several stages; the rank's parameters are then one more
-stage over the union of its parts (``local_model``).
+family's too (``stage_io`` declares it; STDiT's: ``models/stdit/stage.py``; LTX-2's carries its
+audio stream beside the video, ``models/ltx2/stage.py``). With an interleaved schedule a rank holds
+several stages; the rank's parameters are then one more stage over the union of its parts
+(``local_model``).
+
+The schedule cuts tensors only: a model input that is None reaches the first stage as an empty
+[B, 0] tensor (:func:`with_placeholders`), which the family's stage reads as None. And it cuts one
+target: the loss's target and any extra per-sample targets it takes (LTX-2's audio target and
+mask) travel packed in one [B, N] tensor (:func:`pack_samples`), unpacked per micro-batch on the
+last stage.
 
 Micro-batches: each step's batch is cut into ``parallel.pp_microbatches`` equal
 micro-batches, so every bucket's batch size must be a multiple of it (checked before
@@ -19,7 +26,9 @@ its first step, and reuses them when the shape comes back.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -81,9 +90,9 @@ def check_microbatches(batch_sizes: dict[str, int], microbatches: int) -> None:
 class PipelineSchedule:
     """This rank's stages and one schedule per input shape.
 
-    ``loss_fn(output_patches, target)`` runs on the last stage once per micro-batch and
-    returns that micro-batch's mean loss; :meth:`step` scales it so that gradients are
-    those of ``scale`` x the batch's mean loss.
+    ``loss_fn(output_patches, target, **extra_targets)`` runs on the last stage once per
+    micro-batch, with that micro-batch's slices, and returns its mean loss; :meth:`step` scales
+    it so that gradients are those of ``scale`` x the batch's mean loss.
     """
 
     def __init__(self, stages: dict[int, nn.Module], num_stages: int, schedule: str, microbatches: int,
@@ -99,23 +108,29 @@ class PipelineSchedule:
         self.has_first = 0 in stages
         self.has_last = num_stages - 1 in stages
         self._scale = 1.0
+        self._layout: list = []   # how this step's targets are packed (pack_samples)
         self._schedules: dict = {}
 
-    def step(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, scale: float = 1.0) -> float:
+    def step(self, inputs: tuple[torch.Tensor | None, ...], target: torch.Tensor, scale: float = 1.0,
+             extra_targets: dict[str, torch.Tensor] | None = None) -> float:
         """Forward and backward of one batch through the pipeline; returns the batch's mean
-        loss times ``scale`` on the rank holding the last stage and 0.0 elsewhere."""
+        loss times ``scale`` on the rank holding the last stage and 0.0 elsewhere.
+        ``extra_targets``: more per-sample tensors the loss takes as keywords."""
         self._scale = scale
+        inputs = with_placeholders(inputs)
         key = tuple((tuple(x.shape), x.dtype) for x in inputs)
         if key not in self._schedules:
             self._schedules[key] = self._build_schedule(inputs)
+        packed, self._layout = pack_samples({"target": target, **(extra_targets or {})})
         losses: list = []
         args = inputs if self.has_first else ()
-        extra = dict(target=target, losses=losses) if self.has_last else {}
+        extra = dict(target=packed, losses=losses) if self.has_last else {}
         self._schedules[key].step(*args, **extra)
         return float(sum(loss.detach().float() for loss in losses)) if losses else 0.0
 
-    def _scaled_loss(self, output, target):
-        return self.loss_fn(output, target) * (self._scale / self.microbatches)
+    def _scaled_loss(self, output, packed):
+        targets = unpack_samples(packed, self._layout)
+        return self.loss_fn(output, targets.pop("target"), **targets) * (self._scale / self.microbatches)
 
     def _build_schedule(self, inputs: tuple[torch.Tensor, ...]):
         # Shapes are declared, not inferred: inference would run a forward on this rank
@@ -153,6 +168,28 @@ def build_pipeline(model: nn.Module, *, pp: int, pp_rank: int, schedule: str, st
     return PipelineSchedule(stages, num_stages, schedule, microbatches, group, device, loss_fn), local
 
 
+def with_placeholders(inputs: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, ...]:
+    """The model inputs with each None as an empty [B, 0] tensor: the schedule cuts tensors only."""
+    batch = inputs[0].shape[0]
+    return tuple(inputs[0].new_empty(batch, 0) if x is None else x for x in inputs)
+
+
+def pack_samples(tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list]:
+    """One [B, N] tensor of per-sample tensors (the schedule cuts a single target into
+    micro-batches), in the widest of their dtypes so that unpacking restores them exactly, and
+    the layout that unpacks it (:func:`unpack_samples`)."""
+    dtype = functools.reduce(torch.promote_types, (x.dtype for x in tensors.values()))
+    batch = next(iter(tensors.values())).shape[0]
+    packed = torch.cat([x.reshape(batch, -1).to(dtype) for x in tensors.values()], dim=1)
+    return packed, [(name, x.shape[1:], x.dtype) for name, x in tensors.items()]
+
+
+def unpack_samples(packed: torch.Tensor, layout: list) -> dict[str, torch.Tensor]:
+    """The tensors of :func:`pack_samples` from its [n, N] tensor (one micro-batch's samples)."""
+    parts = packed.split([math.prod(shape) for _, shape, _ in layout], dim=1)
+    return {name: part.reshape(packed.shape[0], *shape).to(dtype) for (name, shape, dtype), part in zip(layout, parts)}
+
+
 def pack_target(x_t: torch.Tensor, velocity_target: torch.Tensor, t: torch.Tensor,
                 x_mask: torch.Tensor | None = None, frames_per_patch: int = 1) -> torch.Tensor:
     """One tensor the schedule can cut into micro-batches: [B, 3, C, T, H, W] = (x_t, velocity
@@ -165,15 +202,16 @@ def pack_target(x_t: torch.Tensor, velocity_target: torch.Tensor, t: torch.Tenso
 
 
 def pipeline_loss(geometry, loss_fn: Callable) -> Callable:
-    """The last stage's loss: its output back to latents (the family's ``stage_latents``), then
-    ``loss_fn(output, x_t, t, velocity_target[, x_mask])`` against the packed target
-    (:func:`pack_target`)."""
+    """The last stage's loss: its output back to the model's (the family's ``stage_latents``), then
+    ``loss_fn(output, x_t, t, velocity_target[, x_mask], **extra_targets)`` against the packed
+    target (:func:`pack_target`)."""
     spec = spec_of(geometry)
     frames_per_patch = spec.patch_size(geometry)[0]
 
-    def stage_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def stage_loss(output, target: torch.Tensor, **extra_targets) -> torch.Tensor:
         x_t, v_target, t, *frames = target.unbind(1)
         # The patched frames' mask back from the latent frames' plane: each patch's first frame.
         x_mask = [frames[0][:, 0, ::frames_per_patch, 0, 0] > 0.5] if frames else []
-        return loss_fn(spec.stage_latents(output, x_t.shape, geometry), x_t, t.flatten(1)[:, 0], v_target, *x_mask)
+        return loss_fn(spec.stage_latents(output, x_t.shape, geometry), x_t, t.flatten(1)[:, 0], v_target, *x_mask,
+                       **extra_targets)
     return stage_loss

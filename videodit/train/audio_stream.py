@@ -14,7 +14,10 @@ audio loss is logged as ``audio_loss``.
 LTX-2's audio stream has no padding mask: every clip of a batch must give the same number of audio
 tokens (a bucket's clips of one frame rate do); a batch mixing lengths is refused in one line.
 The target and mask of the micro-batch in flight are held here between ``noised`` and the loss
-(the parallel layer hands the loss the video target alone), so no pipeline parallelism.
+(the parallel layer hands the loss the video target alone). Under pipeline parallelism the parallel
+layer takes them (:meth:`AudioStream.extra_targets`) and its schedule cuts them with the video's
+target, so that the last stage's loss gets each micro-batch's own as keywords
+(``models/ltx2/stage.py`` carries the audio stream through the stages).
 
 With ``data.cache`` the cache stores each clip's audio latents and the audio stream's caption tokens
 (data/feature_cache/audio.py): no audio VAE is built (its stand-in gives the token layout and width)
@@ -44,6 +47,7 @@ class AudioStream:
         self.encoder, self.text, self.objective, self.device = encoder, text, objective, device
         self.grad_accum = grad_accum
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None   # (target, loss mask) of the micro-batch
+        self.batch = 0   # the samples of the micro-batch in flight
         self.losses: list[torch.Tensor] = []   # the last step's micro-batches' audio losses (detached)
 
     @classmethod
@@ -53,8 +57,7 @@ class AudioStream:
         check_audio_training(cfg)
         if not cfg.model.train_audio:
             return None
-        cannot = [(cfg.parallel.pp > 1, "parallel.pp > 1 (the audio stream is not passed through pipeline stages)"),
-                  (cfg.distill.method, f"distill.method={cfg.distill.method}"),
+        cannot = [(cfg.distill.method, f"distill.method={cfg.distill.method}"),
                   (cfg.diffusion.mask_ratios is not None, "diffusion.mask_ratios (Open-Sora 1.2's frame masks)"),
                   (not cfg.data.cache and not hasattr(text, "encode_streams"),   # a cache stores its result
                    f"text.kind={cfg.text.kind} (it gives no audio-stream text; text.kind=gemma3-ltx2 does)")]
@@ -97,28 +100,42 @@ class AudioStream:
         drawn = self.objective.noised_audio(tokens, generator)
         present = batch.audio_mask.to(self.device, non_blocking=True)
         self.pending = (drawn.target, present[:, None].expand(tokens.shape[:2]))
+        self.batch = tokens.shape[0]
         return AudioInputs(drawn.x_t, drawn.sigma, context.float())
 
     def loss_fn(self, model):
         """The training loss of both streams, for ``parallelize``: (model output (video, audio), x_t,
-        t, video target, x_mask) -> the batch mean of ltx-trainer's per-sample video + audio loss.
-        ``model`` must take the audio VAE's tokens (one line if not)."""
+        t, video target, x_mask) -> the batch mean of ltx-trainer's per-sample video + audio loss;
+        a pipeline's last stage passes each micro-batch's audio target and mask as keywords
+        (:meth:`extra_targets`). ``model`` must take the audio VAE's tokens (one line if not)."""
         check_audio_model(model, self.encoder)
 
-        def both(output, x_t, t, target, x_mask=None):
-            if self.pending is None:
-                raise RuntimeError("the audio stream's loss without its noised inputs")
-            (video, audio), (audio_target, audio_mask) = output, self.pending
-            self.pending = None
+        def both(output, x_t, t, target, x_mask=None, audio_target=None, audio_mask=None):
+            if audio_target is None:   # not through a pipeline: the micro-batch's, waiting here
+                taken = self.extra_targets()
+                audio_target, audio_mask = taken["audio_target"], taken["audio_mask"]
+            video, audio = output
             total, audio_loss = self.objective.joint_losses(video, target, x_mask, audio, audio_target, audio_mask)
-            self.losses = (self.losses + [audio_loss.detach().mean()])[-self.grad_accum:]
+            pieces = self.batch // len(audio)   # a pipeline's loss sees each micro-batch in pieces
+            self.losses = (self.losses + [audio_loss.detach().mean()])[-self.grad_accum * pieces:]
             return total.mean()
+        both.extra_targets = self.extra_targets
         return both
 
+    def extra_targets(self) -> dict[str, torch.Tensor]:
+        """The audio target and loss mask of the micro-batch in flight, taken (each serves one loss),
+        as the loss's keywords."""
+        if self.pending is None:
+            raise RuntimeError("the audio stream's loss without its noised inputs")
+        (target, mask), self.pending = self.pending, None
+        return {"audio_target": target, "audio_mask": mask}
+
     def metrics(self, ctx) -> dict:
-        """``audio_loss``: the last step's audio loss (its micro-batches' mean, over the ranks); a
-        collective, as the step's other metrics."""
+        """``audio_loss``: the last step's audio loss (its micro-batches' mean, over the ranks; a
+        pipeline's last stage alone computes it); a collective, as the step's other metrics."""
         local = float(torch.stack(self.losses).mean()) if self.losses else 0.0
+        if ctx.dims.pp > 1:
+            local = ctx.sum_over("pp", local)
         return {"audio_loss": ctx.mean(local)}
 
 

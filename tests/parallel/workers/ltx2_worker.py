@@ -6,12 +6,13 @@ SPEC: {"out": file, "layouts": [...]}, each layout
 {"name", "parallel": {ParallelConfig fields}, "memory": {MemoryConfig fields}, "version": "2.0" or
 "2.3", "audio": bool, "lora": bool, "dtype": "float32" or "float64", "compile": bool (aot_eager,
 dynamic shapes; then a second grid, whose recompiles are reported)}: a tiny LTX-2 (4 heads: 1 or 2 per rank) through
-``parallelize`` and one forward and backward against the unsharded copy. Without audio, the
-trainer's path (``spec.model_inputs``: a frame mask, so a time per token, the first sample's first
-frame given) through ``ParallelModel.forward_backward``; with audio, the model called with its
-audio stream and the loss of both outputs, back-propagated by hand (as a trainer of both streams
-would). Rank 0 writes, per layout, the largest relative difference (to the largest magnitude) of
-the loss and of any gradient, the parameter that has it and how many gradients were compared.
+``parallelize`` and one forward and backward against the unsharded copy, on the trainer's path
+(``spec.model_inputs``: a frame mask, so a time per token, the first sample's first frame given)
+through ``ParallelModel.forward_backward``; with audio, the inputs carry the audio stream's too and
+the loss of both outputs (:class:`BothStreams`) takes its audio target as the trainer's does
+(``train/audio_stream.py``: waiting beside the loss, or cut per micro-batch by a pipeline). Rank 0
+writes, per layout, the largest relative difference (to the largest magnitude) of the loss and of
+any gradient, the parameter that has it and how many gradients were compared.
 """
 
 import copy
@@ -100,6 +101,30 @@ def both_streams(module, inputs, target, audio, audio_target):
     return mse(video, None, None, target) + mse(sound, None, None, audio_target)
 
 
+class BothStreams:
+    """The loss of both outputs with the trainer's protocol (``AudioStream.loss_fn``): the audio
+    target waits in ``pending`` for the loss, or a pipeline takes it (``extra_targets``) and its last
+    stage passes each micro-batch's slice back as a keyword."""
+
+    def __init__(self):
+        self.pending = None
+
+    def extra_targets(self) -> dict:
+        taken, self.pending = self.pending, None
+        return {"audio_target": taken}
+
+    def __call__(self, output, x_t, t, target, x_mask=None, audio_target=None):
+        if audio_target is None:
+            audio_target = self.extra_targets()["audio_target"]
+        video, sound = output
+        return mse(video, None, None, target) + mse(sound, None, None, audio_target)
+
+
+def with_audio_inputs(inputs, audio):
+    """The model inputs with the audio stream's, as ``model_inputs`` gives them (no text mask)."""
+    return (*inputs, None, audio["audio"], audio["audio_t"], audio["audio_context"])
+
+
 def full_gradients(model) -> dict:
     """Every parameter's whole gradient on every rank (DTensor shards gathered; pipeline stages
     exchanged)."""
@@ -149,13 +174,11 @@ def model_layout(layout, world):
     ctx = DistContext(dims, dist.get_rank(), dist.get_rank(), torch.device("cpu"), dims.build_meshes("cpu"),
                       per_rank, microbatches)
     compile = CompileOptions("aot_eager", "dynamic") if layout.get("compile") else None
-    parallel = parallelize(model, ctx, cfg, memory=memory, loss_fn=mse, compile=compile)
+    loss_fn = BothStreams() if with_audio else mse
+    parallel = parallelize(model, ctx, cfg, memory=memory, loss_fn=loss_fn, compile=compile)
     if with_audio:
-        loss = both_streams(parallel.module, inputs, target, audio, audio_target)
-        loss.backward()
-        loss = parallel.global_loss(loss.item())
-    else:
-        loss = parallel.global_loss(parallel.forward_backward(inputs, target, scale=1.0, sync=True))
+        inputs, loss_fn.pending = with_audio_inputs(inputs, audio), audio_target
+    loss = parallel.global_loss(parallel.forward_backward(inputs, target, scale=1.0, sync=True))
     if parallel.partial_gradients:
         sum_partial_gradients(parallel.local_model, parallel.partial_gradients, ctx.group("tp"))
     got = full_gradients(parallel.local_model)
