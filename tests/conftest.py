@@ -5,6 +5,8 @@ import sys
 import pytest
 import torch
 
+from videodit.toy.encoder import ToyTextEncoder
+
 # Tests run offline and small: two threads (or OMP_NUM_THREADS where it is set: the suite must
 # pass with one thread as well), no hub access.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -115,6 +117,28 @@ def dmd2_overrides(toy_dir, teacher, **extra) -> list[str]:
               "distill.steps": "[1000,500]", "train.lr": 1e-3, "train.deterministic": True,
               "train.warmup_steps": 1, **extra}
     return tiny_overrides(toy_dir, **values)
+
+
+class TwoStreamText(ToyTextEncoder):
+    """Stand-in for Gemma's two streams: the toy text encoder with an audio stream's text (its
+    first 16 features), as LTX-2's ``encode_streams`` gives it; ``calls`` counts those calls."""
+    calls = 0
+
+    def encode_streams(self, captions):
+        TwoStreamText.calls += 1
+        y, mask = self.encode(captions)
+        return y, y[..., :16], mask
+
+
+def two_stream_encoders(build_encoders):
+    """``build_encoders`` (the trainer's) with :class:`TwoStreamText` for the text encoder: an LTX-2
+    run of ``model.train_audio`` on the toy text (``tests/train/test_ltx2_audio_train.py``). Set in
+    place of ``videodit.train.trainer.build_encoders`` by a monkeypatch, or by a subprocess's own
+    launcher (``tests/parallel/workers/ltx2_audio_train_worker.py``)."""
+    def build(cfg, device):
+        vae, _ = build_encoders(cfg, device)
+        return vae, TwoStreamText(dim=cfg.text.dim, max_length=cfg.text.max_length)
+    return build
 
 
 def torchrun(nproc: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
