@@ -1,7 +1,7 @@
 """train.loggers: the scalars and sample videos of a run in TensorBoard and in Weights & Biases
 (offline, into the run folder), read back from their files; the W&B run holds the resolved config
 and goes on after resume=auto; each sample prompt starts from its own fixed noise; bad logger
-settings are one line before anything is built."""
+settings are one line before anything is built; a clip with a soundtrack has it in TensorBoard too."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import socket
 import struct
 import sys
+import wave
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,17 +75,21 @@ class Logged:
     scalars: dict = field(default_factory=dict)    # tag -> {step: value}
     videos: dict = field(default_factory=dict)     # tag -> [(step, uint8 frames [T, H, W, 3])], in logged order
     captions: dict = field(default_factory=dict)   # tag -> prompt
+    audios: dict = field(default_factory=dict)     # tag -> [(step, rate, int16 samples [channels, N])] (TensorBoard)
 
 
 def tensorboard_log(run: Path) -> Logged:
     from tensorboard.backend.event_processing import event_accumulator as ea
 
-    events = ea.EventAccumulator(str(run / "tensorboard"), size_guidance={ea.SCALARS: 0, ea.IMAGES: 0, ea.TENSORS: 0})
+    events = ea.EventAccumulator(str(run / "tensorboard"), size_guidance={ea.SCALARS: 0, ea.IMAGES: 0, ea.TENSORS: 0,
+                                                                          ea.AUDIO: 0})
     events.Reload()
     tags = events.Tags()
     logged = Logged(scalars={tag: {e.step: e.value for e in events.Scalars(tag)} for tag in tags["scalars"]},
                     videos={tag: [(e.step, gif_frames(e.encoded_image_string)) for e in events.Images(tag)]
-                            for tag in tags["images"]})
+                            for tag in tags["images"]},
+                    audios={tag: [(e.step, *wav_samples(e.encoded_audio_string)) for e in events.Audio(tag)]
+                            for tag in tags["audio"]})
     for event in events.Tensors("samples/prompts/text_summary"):   # "`00-name`: prompt" per line
         for line in event.tensor_proto.string_val[0].decode().split("\n\n"):
             stem, prompt = line.split(": ", 1)
@@ -95,6 +100,13 @@ def tensorboard_log(run: Path) -> Logged:
 def gif_frames(data: bytes) -> np.ndarray:
     frames = ImageSequence.Iterator(Image.open(io.BytesIO(data)))
     return np.stack([np.asarray(frame.convert("RGB")) for frame in frames])
+
+
+def wav_samples(data: bytes) -> tuple[int, np.ndarray]:
+    """(sample rate, int16 samples [channels, N]) of a WAV file's bytes."""
+    with wave.open(io.BytesIO(data)) as wav:
+        rate, channels, pcm = wav.getframerate(), wav.getnchannels(), wav.readframes(wav.getnframes())
+    return rate, np.frombuffer(pcm, "<i2").reshape(-1, channels).T
 
 
 def wandb_log(run: Path) -> Logged:
@@ -171,6 +183,31 @@ def test_scalars_and_sample_videos_are_logged_at_their_steps(logged_run, read):
             written, _ = read_video(logged_run / "samples" / f"step-{step:07d}" / f"{tag.split('/')[1]}.mp4")
             assert frames.shape == written.shape == (4, 16, 16, 3)
             assert np.abs(frames.astype(int) - written.astype(int)).mean() < 12   # mp4 is lossy, the GIF is not
+
+
+def test_a_clip_with_sound_has_its_soundtrack_in_tensorboard(tmp_path):
+    """A GIF has no sound: the soundtrack goes beside it as a 16-bit WAV audio summary, both
+    channels of a stereo one; a silent clip gets none."""
+    from videodit.data.video_write import write_video
+    from videodit.train.loggers import SampleVideo, TensorBoardLogger
+
+    frames = np.zeros((4, 16, 16, 3), np.uint8)
+    rate, time = 16000, np.arange(8000) / 16000
+    stereo = np.stack([0.5 * np.sin(2 * np.pi * 440 * time), -0.25 * np.sin(2 * np.pi * 220 * time)]).astype(np.float32)
+    stereo[0, :3] = [1.5, -2.0, 0.0]   # beyond [-1, 1]: clipped, as in the mp4
+    paths = [tmp_path / "samples" / f"{stem}.mp4" for stem in ("00-a", "01-b")]
+    paths[0].parent.mkdir()
+    for path in paths:
+        write_video(path, frames, 8.0)
+    logger = TensorBoardLogger(tmp_path)
+    logger.log_videos(3, [SampleVideo("a", frames, paths[0], 8.0, (stereo, rate)),
+                          SampleVideo("b", frames, paths[1], 8.0)])
+    logger.close()
+    logged = tensorboard_log(tmp_path)
+    assert sorted(logged.videos) == ["samples/00-a", "samples/01-b"] and list(logged.audios) == ["samples/00-a/audio"]
+    [(step, got_rate, samples)] = logged.audios["samples/00-a/audio"]
+    assert (step, got_rate, samples.shape) == (3, rate, (2, 8000))
+    assert np.abs(samples / 32767 - np.clip(stereo, -1, 1)).max() <= 1 / 32767
 
 
 def test_wandb_holds_the_resolved_config_and_the_git_commit(logged_run):

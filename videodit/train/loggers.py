@@ -7,9 +7,11 @@ turns a failed write (an ``OSError`` or ``LoggerFailed``) into its one-line ``er
 
 from __future__ import annotations
 
+import io
 import json
 import tempfile
 import time
+import wave
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,11 +27,14 @@ class LoggerFailed(Exception):
 
 @dataclass(frozen=True)
 class SampleVideo:
-    """One sample clip as logged: its prompt, frames (uint8 [T, H, W, 3]) and the mp4 in the run folder."""
+    """One sample clip as logged: its prompt, frames (uint8 [T, H, W, 3]), the mp4 in the run folder
+    and, from an audio-trained run, the soundtrack that mp4 carries: (waveform float [channels,
+    samples], sample rate), else None."""
     prompt: str
     frames: np.ndarray
     path: Path
     fps: float
+    audio: tuple[np.ndarray, int] | None = None
 
     @property
     def tag(self) -> str:
@@ -74,7 +79,8 @@ class JsonlLogger:
 
 
 class TensorBoardLogger:
-    """tensorboard/: the scalars, and each sample clip as an animated GIF image summary.
+    """tensorboard/: the scalars, each sample clip as an animated GIF image summary and its
+    soundtrack (a GIF has none) as an audio summary, ``<tag>/audio``.
 
     ``SummaryWriter.add_video`` writes exactly such a summary but needs moviepy to encode the
     GIF; PyAV (a dependency) encodes it here instead. TensorBoard's Images tab plays it; the
@@ -97,6 +103,9 @@ class TensorBoardLogger:
             image = Summary.Image(height=height, width=width, colorspace=channels,
                                   encoded_image_string=gif_bytes(video.frames, video.fps))
             events.add_summary(Summary(value=[Summary.Value(tag=video.tag, image=image)]), step)
+            if video.audio is not None:   # a tag of its own: one tag holds one kind of summary
+                sound = audio_summary(*video.audio)
+                events.add_summary(Summary(value=[Summary.Value(tag=f"{video.tag}/audio", audio=sound)]), step)
         self._writer.add_text("samples/prompts", "\n\n".join(f"`{v.path.stem}`: {v.prompt}" for v in videos), step)
         self._writer.flush()
 
@@ -111,3 +120,21 @@ def gif_bytes(frames: np.ndarray, fps: float) -> bytes:
         path = Path(folder) / "clip.gif"
         write_video(path, frames, fps)
         return path.read_bytes()
+
+
+def audio_summary(waveform: np.ndarray, rate: int):
+    """A soundtrack (float [channels, samples] or [samples], clipped to [-1, 1]) as TensorBoard's
+    audio summary: 16-bit PCM WAV, as ``SummaryWriter.add_audio`` writes it, but keeping both
+    channels of a stereo one (add_audio takes mono only); its Audio tab plays it."""
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    samples = np.atleast_2d(np.asarray(waveform, dtype=np.float32))
+    pcm = (np.clip(samples, -1.0, 1.0) * 32767).round().astype("<i2")
+    data = io.BytesIO()
+    with wave.open(data, "wb") as out:
+        out.setnchannels(pcm.shape[0])
+        out.setsampwidth(2)
+        out.setframerate(int(rate))
+        out.writeframes(pcm.T.tobytes())   # a frame per sample: its channels interleaved
+    return Summary.Audio(sample_rate=float(rate), num_channels=pcm.shape[0], length_frames=pcm.shape[1],
+                         encoded_audio_string=data.getvalue(), content_type="audio/wav")

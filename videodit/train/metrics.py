@@ -53,10 +53,14 @@ class MetricsLogger:
         if self.enabled:
             self._guarded(self._each, "log", step, values)
 
-    def log_samples(self, step: int, prompts: list[str], clips: np.ndarray, paths: list[Path], fps: float) -> None:
-        """The sample clips of ``step`` (uint8 [N, T, H, W, 3]) and the files they were written to."""
+    def log_samples(self, step: int, prompts: list[str], clips: np.ndarray, paths: list[Path], fps: float,
+                    sounds: Sequence[tuple[np.ndarray, int] | None] | None = None) -> None:
+        """The sample clips of ``step`` (uint8 [N, T, H, W, 3]), the files they were written to and,
+        in an audio-trained run, each clip's soundtrack (waveform [channels, samples], rate) or None."""
         if self.enabled:
-            videos = [SampleVideo(prompt, clip, path, fps) for prompt, clip, path in zip(prompts, clips, paths)]
+            sounds = sounds or [None] * len(paths)
+            videos = [SampleVideo(prompt, clip, path, fps, sound)
+                      for prompt, clip, path, sound in zip(prompts, clips, paths, sounds)]
             self._guarded(self._each, "log_videos", step, videos)
 
     def _each(self, method: str, *args) -> None:

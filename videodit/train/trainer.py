@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import sys
 import time
@@ -43,8 +42,6 @@ from videodit.diffusion.frame_mask import FrameConditioning
 from videodit.diffusion.visual_condition import visual_conditioning
 from videodit.diffusion.objectives import objective_of
 from videodit.diffusion.rectified_flow import RectifiedFlow
-from videodit.distill.collapse import collapse_metrics
-from videodit.distill.schedule import StudentSchedule
 from videodit.errors import UserError, os_error_message
 from videodit.models.flops import train_step_flops
 from videodit.models.families import get_spec
@@ -56,7 +53,7 @@ from videodit.parallel.fp8_base import base_storage_dtype, check_base_dtype
 from videodit.parallel.lora import apply_lora, lora_summary
 from videodit.parallel.block_swap import place_beside_swapped
 from videodit.parallel.parallelize import parallelize
-from videodit.sample import NonFiniteLatents, generate, guidance_of, takes_condition, write_clips
+from videodit.sample import NonFiniteLatents, takes_condition
 from videodit.toy.make import ensure_toy_data
 from videodit.train.audio_stream import AudioStream
 from videodit.train.caption_dropout import EmptyCaptionDropout
@@ -67,6 +64,7 @@ from videodit.train.metrics import MetricsLogger, Throughput, peak_tflops, signi
 from videodit.train.optimizer import build_optimizer, last_lr, require_optimizer, warmup_schedule
 from videodit.train.run_folder import RunFolder
 from videodit.train.runtime import check_config_change, cuda_settings, run_info, seed_everything
+from videodit.train.samples import TrainingSamples
 from videodit.train.stop import StopSignals, StoppedWaitingForData
 from videodit.train.state import TrainState, expert_init_source, init_weights_from
 from videodit.train.validation import Validator
@@ -189,6 +187,8 @@ class Trainer:
             self.state.roles = self.distill.roles()
 
         self.folder = RunFolder(run_dir)
+        self.samples = TrainingSamples(cfg, run_dir, self.vae, self.text, self.flow, self.device, is_main=self.is_main,
+                                       takes_image=self.spec.takes_first_frame(self.model.geometry))
         ck = cfg.checkpoint
         self.checkpoints = CheckpointManager(run_dir, every_steps=ck.every_steps, every_minutes=ck.every_minutes,
                                              save_total_limit=ck.save_total_limit, keep_best=ck.keep_best,
@@ -485,38 +485,9 @@ class Trainer:
     # ------------------------------------------------------------------ run folder, samples
 
     def write_samples(self, metrics: MetricsLogger | None = None) -> list[Path]:
-        """The sample clips of this step as mp4s in the run folder, also handed to ``metrics``'s
-        loggers (TensorBoard, W&B). Each prompt's noise depends only on (train.seed, its index),
-        so the clips of successive steps start from the same noise."""
-        cfg = self.cfg
-        if cfg.data.cache:   # no VAE or text encoder was built
-            if self.is_main:
-                print("no sample videos: training from data.cache builds no VAE or text encoder; sample with "
-                      f"`videodit sample --ckpt {self.run_dir}`", flush=True)
-            return []
-        if self.spec.takes_first_frame(self.model.geometry):   # i2v: no image to start from here
-            if self.is_main:
-                print("no sample videos: an i2v model generates from an image; sample with "
-                      f"`videodit sample --ckpt {self.run_dir} --ref IMAGE`", flush=True)
-            return []
-        model = self.eval_model()
-        if model is None:
-            return []
-        student = StudentSchedule.of(cfg)   # a distilled model samples with its own few steps, unguided
-        clips_of = functools.partial(
-            generate, model, self.vae, self.text, self.flow, cfg.sample.prompts,
-            num_frames=cfg.sample.num_frames or cfg.data.num_frames, height=cfg.sample.height or cfg.data.height,
-            width=cfg.sample.width or cfg.data.width, steps=len(student.steps) if student else cfg.sample.steps,
-            guidance=1.0 if student else guidance_of(cfg), fps=cfg.sample.fps, device=self.device,
-            sampler=student or cfg.sample.sampler, negative_prompt=cfg.sample.negative_prompt)
-        clips = clips_of(seed=cfg.train.seed)
-        paths = write_clips(self.run_dir / "samples" / f"step-{self.step:07d}", cfg.sample.prompts, clips,
-                            cfg.sample.fps)
-        if metrics is not None:
-            metrics.log_samples(self.step, cfg.sample.prompts, clips, paths, cfg.sample.fps)
-            if student:   # DMD's mode seeking shows as seeds that agree and clips that stand still
-                metrics.log(self.step, collapse_metrics(clips, clips_of(seed=cfg.train.seed + 1)))
-        return paths
+        """This step's sample clips (``train/samples.py``), with their soundtracks in an audio-trained
+        run; every rank calls this (gathering the weights to sample with is a collective)."""
+        return self.samples.write(self.step, self.eval_model, metrics)
 
     def eval_model(self):
         """The model to validate and sample with, on rank 0 (None on other ranks): a plain copy

@@ -1,5 +1,6 @@
 """Weights & Biases (``train.loggers: [..., wandb]``): the scalars TensorBoard gets, the resolved
-config with the git commit, and the sample videos with their prompts as captions.
+config with the git commit, and the sample videos (the mp4s, with their soundtracks in an
+audio-trained run) with their prompts as captions.
 
 W&B's own settings come from its environment: ``WANDB_MODE=offline`` writes the run to disk
 only (``wandb sync`` uploads it later), ``WANDB_DIR`` moves its files (default: the run
@@ -65,7 +66,9 @@ class WandbLogger:
         self._guarded(self._run.log, scalars(values), step=step)
 
     def log_videos(self, step: int, videos: list[SampleVideo]) -> None:
-        Video = self._wandb.Video   # the mp4 as written; from raw frames W&B would need moviepy
+        # the mp4 as written, its soundtrack included; from raw frames W&B would need moviepy and
+        # the clip would be silent
+        Video = self._wandb.Video
         self._guarded(self._run.log, {v.tag: Video(str(v.path), caption=v.prompt) for v in videos}, step=step)
 
     def close(self) -> None:
