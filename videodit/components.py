@@ -11,6 +11,7 @@ from videodit.models.families import get_spec, spec_of
 from videodit.models.families import encoder_kinds, encoder_spec
 from videodit.models.text import load_text_encoder
 from videodit.models.vae import build_vae
+from videodit.toy.audio_codec import ToyAudioCodec
 from videodit.toy.encoder import TOY_MAX_LENGTH, ToyTextEncoder
 
 OWN_TEXT_KINDS = ("toy", "transformers")   # built here; the families bring the others
@@ -20,18 +21,20 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16} 
 
 
 def build_text_encoder(kind: str, path: str | None = None, max_length: int | None = None, dim: int = 64,
-                       dtype: torch.dtype = torch.float32, mask: bool = True, audio: bool = False) -> torch.nn.Module:
+                       dtype: torch.dtype = torch.float32, mask: bool = True, audio: bool = False,
+                       audio_dim: int | None = None) -> torch.nn.Module:
     """A frozen text encoder: ``toy`` (weight-free, ``dim`` wide; ``path`` ignored),
     ``transformers`` (the local folder ``path``; ``dim`` comes from its config), ``umt5`` (Wan's
     umT5-XXL, run with its mask and zero-padded as Wan does) or ``t5-clip`` (Open-Sora 2.0's T5 and
     CLIP pooled vector; ``mask=False`` runs T5 unmasked as Open-Sora does). ``max_length=None``
     means 8 tokens for the toy encoder and 120 for transformers models. ``audio``: a family's encoder
-    that also gives its audio stream's text (``encode_streams``; LTX-2's, for ``model.train_audio``)."""
+    that also gives its audio stream's text (``encode_streams``; LTX-2's, for ``model.train_audio``);
+    the toy encoder gives its own, ``audio_dim`` wide (default ``dim``)."""
     if not mask and kind not in UNMASKED_TEXT_KINDS:
         raise UserError(f"text.mask=false (Open-Sora 2.0's unmasked T5) is for text.kind="
                         f"{' or '.join(UNMASKED_TEXT_KINDS)}, not {kind!r}; set text.mask=true")
     if kind == "toy":
-        return ToyTextEncoder(dim=dim, max_length=max_length or TOY_MAX_LENGTH)
+        return ToyTextEncoder(dim=dim, max_length=max_length or TOY_MAX_LENGTH, audio_dim=audio_dim)
     if kind == "transformers":
         return load_text_encoder(path, max_length=max_length, dtype=dtype)
     family = encoder_spec("text_kinds", kind)
@@ -48,13 +51,17 @@ def build_encoders(cfg: Config, device: torch.device):
                     sample_posterior=cfg.vae.sample_posterior)
     text = build_text_encoder(cfg.text.kind, path=cfg.text.path, max_length=cfg.text.max_length,
                               dim=cfg.text.dim, dtype=DTYPES[cfg.text.dtype], mask=cfg.text.mask,
-                              audio=cfg.model.train_audio)
+                              audio=cfg.model.train_audio,
+                              audio_dim=get_spec(cfg.model.family).audio_text_width(cfg.model))
     return vae.to(device), text.to(device)
+
+
+OWN_AUDIO_KINDS = ("toy",)   # built here, for any family with an audio stream; the families bring the others
 
 
 def check_audio_training(cfg: Config) -> None:
     """One line for a ``model.train_audio`` the run cannot do: a family without an audio stream, no
-    ``audio.kind``, or an audio VAE that is not the family's."""
+    ``audio.kind``, or an audio VAE that is neither ours nor the family's."""
     family, kind = cfg.model.family, cfg.audio.kind
     spec = get_spec(family)
     if cfg.model.train_audio and not spec.audio_kinds:
@@ -63,19 +70,22 @@ def check_audio_training(cfg: Config) -> None:
     if cfg.model.train_audio and kind == "none":
         raise UserError(f"model.train_audio needs the audio VAE that makes the audio stream's latents: set "
                         f"audio.kind={spec.audio_kinds[0]} and audio.path (the release file or a diffusers folder)")
-    if kind != "none" and kind not in spec.audio_kinds:
+    if kind != "none" and kind not in spec.audio_kinds + OWN_AUDIO_KINDS * bool(spec.audio_kinds):
         raise UserError(f"audio.kind={kind} is not an audio VAE of the {family} family (its: "
                         f"{', '.join(spec.audio_kinds) or 'none'}); set audio.kind=none")
 
 
-def build_audio_encoder(cfg: Config, device: torch.device):
-    """The frozen audio VAE ``audio.*`` names, through the family's spec (checked by
-    :func:`check_audio_training`); None for ``audio.kind=none``."""
+def build_audio_encoder(cfg: Config, device: torch.device, vocoder: bool = False):
+    """The frozen audio VAE ``audio.*`` names (checked by :func:`check_audio_training`): the toy's
+    (``toy/audio_codec.py``) or the family's, through its spec; ``vocoder``: with its vocoder
+    (sampling; training encodes only). None for ``audio.kind=none``."""
     check_audio_training(cfg)
     if cfg.audio.kind == "none":
         return None
+    if cfg.audio.kind == "toy":
+        return ToyAudioCodec().to(device)
     encoder = get_spec(cfg.model.family).build_audio(cfg.audio.kind, cfg.audio.path, cfg.audio.subfolder,
-                                                      dtype=DTYPES[cfg.audio.dtype])
+                                                      dtype=DTYPES[cfg.audio.dtype], vocoder=vocoder)
     return encoder.to(device)
 
 

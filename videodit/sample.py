@@ -444,17 +444,15 @@ def check_sampling(size: dict[str, int], steps: int, guidance: float, image_guid
 
 def soundtrack_of(cfg, text, model, device):
     """The audio stream's sampler of a run that trained it (``model.train_audio``): its audio VAE
-    with vocoder, through the family's spec; None for a video-only run."""
-    from videodit.components import DTYPES, check_audio_model, check_audio_training
+    with vocoder; None for a video-only run."""
+    from videodit.components import build_audio_encoder, check_audio_model
     from videodit.diffusion.ltx2_audio_sampling import Soundtrack
 
     if not cfg.model.train_audio:
         return None
-    check_audio_training(cfg)
-    encoder = get_spec(cfg.model.family).build_audio(cfg.audio.kind, cfg.audio.path, cfg.audio.subfolder,
-                                                     dtype=DTYPES[cfg.audio.dtype], vocoder=True)
+    encoder = build_audio_encoder(cfg, device, vocoder=True)
     check_audio_model(model, encoder)
-    return Soundtrack(encoder.to(device), text)
+    return Soundtrack(encoder, text, cfg.sample.audio_cfg)
 
 
 class Pipeline:

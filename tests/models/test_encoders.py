@@ -123,14 +123,17 @@ def bert_dir(tmp_path_factory):
 # --------------------------------------------------------------------------- VAE: identity
 
 
-def test_identity_vae_round_trip():
-    vae = build_vae("identity")
+@pytest.mark.parametrize("kind, channels, compression", [("identity", 3, 1), ("space-to-depth", 48, 4)])
+def test_weight_free_vae_round_trip(kind, channels, compression):
+    vae = build_vae(kind)
     assert isinstance(vae, IdentityVAE)
-    assert (vae.latent_channels, vae.spatial_compression, vae.temporal_compression) == (3, 1, 1)
+    assert (vae.latent_channels, vae.spatial_compression, vae.temporal_compression) == (channels, compression, 1)
     video = _video(2, 3, size=8)
     latents = vae.encode(video)
-    assert latents.shape == (2, 3, *vae.latent_size(3, 8, 8))
+    assert latents.shape == (2, channels, *vae.latent_size(3, 8, 8))
     assert torch.equal(vae.decode(latents), video)
+    if compression > 1:   # channel c * 16 + 4 i + j of a latent pixel is pixel (i, j) of its 4 x 4 block
+        assert torch.equal(latents[:, 4 * 4 + 2 * 4 + 3, :, 1, 0], video[:, 1, :, 4 + 2, 3])
 
 
 # --------------------------------------------------------------------------- VAE: 2-D per frame
@@ -244,7 +247,7 @@ def test_build_vae_unknown_class(tmp_path):
 
 
 def test_build_vae_unknown_kind():
-    expected = r"vae\.kind='sd' is not supported; choose one of: identity, diffusers"
+    expected = r"vae\.kind='sd' is not supported; choose one of: identity, space-to-depth, diffusers"
     with pytest.raises(UserError, match=expected):
         build_vae("sd")
 
@@ -277,6 +280,16 @@ def test_toy_encoder_shapes_mask_and_buffers():
     assert torch.all(emb[~mask] == 0)
     norms = encoder.token_table.norm(dim=1)
     assert torch.allclose(norms, torch.ones_like(norms))
+
+
+@pytest.mark.parametrize("audio_dim", [None, 16, 100])
+def test_toy_encoder_gives_the_audio_stream_its_text_at_its_width(audio_dim):
+    encoder = ToyTextEncoder(dim=32, audio_dim=audio_dim)
+    video, audio, mask = encoder.encode_streams(CAPTIONS)
+    assert torch.equal(video, encoder.encode(CAPTIONS)[0]) and torch.equal(mask, encoder.encode(CAPTIONS)[1])
+    assert audio.shape == (*video.shape[:2], audio_dim or 32)
+    assert torch.equal(audio[..., :min(audio_dim or 32, 32)], video[..., :min(audio_dim or 32, 32)])
+    assert not torch.allclose(audio[0], audio[1])   # the captions stay apart in the audio stream's text
 
 
 def test_toy_encoder_is_reproducible_and_distinguishes_captions():

@@ -216,6 +216,18 @@ def test_presets_and_config():
     SPEC.check_sequence_parallel(2, tp=1, sp=2, ring=1)   # Ulysses over the video tokens (parallel_plan.py)
     with pytest.raises(UserError, match="^LTX-2 shards its video tokens over parallel.sp"):
         SPEC.check_sequence_parallel(2, tp=1, sp=4, ring=1)
+    # The audio stream's text is as wide as the stream on LTX-2.3 (heads x the release's audio head), any on 2.0
+    assert SPEC.audio_text_width(m) == geometry.audio_dim and SPEC.audio_text_width(m19) is None
+
+
+def test_default_lora_targets_take_the_audio_attentions_when_the_audio_stream_trains():
+    from videodit.config import load_config
+
+    video = load_config("ltx2.3-22b-lora").lora.targets
+    both = load_config("ltx2.3-22b-lora", ["model.train_audio=true"]).lora.targets
+    assert video == LORA_TARGETS["ltx2"] and both[:len(video)] == video
+    assert {target.split(".")[0] for target in both[len(video):]} == {
+        "audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn"} and len(both) == 2 * 4 + 4 * 4
 
 
 def test_model_inputs_drop_captions_and_mark_given_frames():

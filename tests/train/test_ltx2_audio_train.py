@@ -11,28 +11,17 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_overrides
+from conftest import TwoStreamText, tiny_overrides, two_stream_encoders
 from videodit.config import load_config
 from videodit.diffusion import ltx2_schedule
 from videodit.errors import UserError
 from videodit.models.ltx2.audio_stand_ins import save_ltx2_audio_vae
-from videodit.toy.encoder import ToyTextEncoder
 from videodit.train.trainer import Trainer
 
 LTX2 = {"model.preset": "ltx2-tiny", "model.patch_size": "[1,1,1]", "text.dim": 32, "data.height": 8,
         "data.width": 8, "diffusion.prediction": "velocity", "diffusion.loss_space": "velocity",
         "diffusion.first_frame_p": 0.5, "sample.steps": 2, "train.deterministic": True,
         "train.batch_size": 2, "train.sample_every": 0}
-
-
-class TwoStreamText(ToyTextEncoder):
-    """The toy encoder with an audio stream's text, as LTX-2's ``encode_streams`` gives it."""
-    calls = 0
-
-    def encode_streams(self, captions):
-        TwoStreamText.calls += 1
-        y, mask = self.encode(captions)
-        return y, y[..., :16], mask
 
 
 @pytest.fixture(scope="module")
@@ -53,18 +42,18 @@ def audio_vae(tmp_path_factory):
 def two_streams(monkeypatch):
     import videodit.train.trainer as trainer_module
 
-    real = trainer_module.build_encoders
+    monkeypatch.setattr(trainer_module, "build_encoders", two_stream_encoders(trainer_module.build_encoders))
 
-    def build(cfg, device):
-        vae, _ = real(cfg, device)
-        return vae, TwoStreamText(dim=cfg.text.dim, max_length=cfg.text.max_length)
-    monkeypatch.setattr(trainer_module, "build_encoders", build)
+
+def av_settings(audio_vae=None) -> dict:
+    """The tiny LTX-2's settings, training both streams on ``audio_vae`` if given (else video alone)."""
+    audio = {} if audio_vae is None else {"model.train_audio": True, "audio.kind": "ltx2", "audio.path": str(audio_vae),
+                                          "model.audio_channels": 16}
+    return {**LTX2, **audio}
 
 
 def overrides(toy_dir, audio_vae=None, **extra):
-    audio = {} if audio_vae is None else {"model.train_audio": True, "audio.kind": "ltx2", "audio.path": str(audio_vae),
-                                          "model.audio_channels": 16}
-    return tiny_overrides(toy_dir, **{**LTX2, **audio, **extra})
+    return tiny_overrides(toy_dir, **{**av_settings(audio_vae), **extra})
 
 
 def audio_weights(model):
@@ -100,7 +89,9 @@ def test_two_steps_train_the_audio_stream_and_log_its_loss(audio_toy, audio_vae,
     trainer = Trainer(load_config("tiny", overrides(audio_toy, audio_vae, **{"train.max_steps": 2})), tmp_path / "run")
     assert all(p.requires_grad for p in trainer.model.parameters())   # every weight trains, the audio stream's too
     before = audio_weights(trainer.model)
-    calls = TwoStreamText.calls
+    calls, at_sampling = TwoStreamText.calls, []
+    write = trainer.samples.write   # the end's samples hear the prompts' audio text too: count up to them
+    trainer.samples.write = lambda *args, **kwargs: at_sampling.append(TwoStreamText.calls) or write(*args, **kwargs)
     trainer.fit()
     after = audio_weights(trainer.model)
     moved = [name for name in before if not torch.equal(before[name], after[name])]
@@ -109,7 +100,7 @@ def test_two_steps_train_the_audio_stream_and_log_its_loss(audio_toy, audio_vae,
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "audio_loss" in row]
     assert len(steps) == 2 and all(0 < row["audio_loss"] < row["loss"] for row in steps)
-    assert TwoStreamText.calls == calls + 2   # the audio stream's text: one call a step
+    assert at_sampling == [calls + 2]   # the audio stream's text: one call a step
 
 
 def test_without_train_audio_the_audio_stream_stays_frozen(audio_toy, tmp_path):
@@ -127,7 +118,6 @@ def test_without_train_audio_the_audio_stream_stays_frozen(audio_toy, tmp_path):
       "model.num_heads": 4, "model.patch_size": "[1,2,2]", "diffusion.first_frame_p": 0.0}, "no audio stream"),
     ({"audio.kind": "ltx2", "model.preset": "wan-tiny", "model.depth": 2, "model.num_heads": 4,
       "model.patch_size": "[1,2,2]", "diffusion.first_frame_p": 0.0}, "audio.kind=none"),
-    ({"model.train_audio": True, "audio.kind": "ltx2", "audio.path": "AUDIO"}, "text.kind=toy"),
 ])
 def test_what_audio_training_cannot_do_fails_in_one_line(audio_toy, audio_vae, tmp_path, extra, words):
     extra = {k: str(audio_vae) if v == "AUDIO" else v for k, v in extra.items()}
@@ -143,14 +133,14 @@ def test_a_model_of_other_audio_tokens_fails_in_one_line(audio_toy, audio_vae, t
     assert "model.audio_channels=16" in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("extra, words", [({"parallel.pp": 2}, "parallel.pp"),
-                                          ({"diffusion.mask_ratios": "{'image_head': 0.5}",
-                                            "diffusion.first_frame_p": 0.0}, "mask_ratios")])
-def test_layouts_audio_training_does_not_run_yet_fail_in_one_line(audio_toy, audio_vae, tmp_path, extra, words):
+@pytest.mark.parametrize("extra, words", [({"diffusion.mask_ratios": "{'image_head': 0.5}",
+                                            "diffusion.first_frame_p": 0.0}, "mask_ratios"),
+                                           ({"text.kind": "transformers", "text.path": "x"}, "text.kind=transformers")])
+def test_what_audio_training_does_not_run_with_fails_in_one_line(audio_toy, audio_vae, tmp_path, extra, words):
     from videodit.train.audio_stream import AudioStream
 
-    extra = {k: str(tmp_path) if v == "CACHE" else v for k, v in extra.items()}
     cfg = load_config("tiny", overrides(audio_toy, audio_vae, **extra))
+    text = TwoStreamText(dim=32) if cfg.text.kind == "toy" else object()   # an encoder with no audio-stream text
     with pytest.raises(UserError) as err:
-        AudioStream.of(cfg, TwoStreamText(dim=32), object(), torch.device("cpu"))
+        AudioStream.of(cfg, text, object(), torch.device("cpu"))
     assert words in str(err.value) and "\n" not in str(err.value)

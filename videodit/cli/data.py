@@ -24,17 +24,22 @@ def cmd_toy_eval(ns) -> int:
     from videodit.toy.eval import evaluate
     from videodit.sample import Pipeline
 
-    pipeline = Pipeline(ns.ckpt, device=ns.device)
+    pipeline = Pipeline(ns.ckpt, device=ns.device, audio=True)   # a model that trained sound makes it
     report = evaluate(pipeline, n=ns.num_prompts, seed=ns.seed, steps=ns.steps, guidance=ns.cfg)
     if ns.json:
         print(json.dumps(report))
         return 0
+    audio = report.get("audio")
     print(f"checkpoint {report['checkpoint']}  ({report['n']} prompts)")
-    print(f"{'group':<10}{'n':>5}{'colour':>10}{'direction':>11}")
-    for name, group in (("all", report), ("seen", report["seen"]), ("held-out", report["heldout"])):
-        fmt = lambda v: "-" if v is None else f"{v:.3f}"   # noqa: E731
-        print(f"{name:<10}{group['n']:>5}{fmt(group['colour_accuracy']):>10}"
-              f"{fmt(group['direction_accuracy']):>11}")
+    print(f"{'group':<10}{'n':>5}{'colour':>10}{'direction':>11}" + (f"{'pitch':>8}{'timing':>8}" if audio else ""))
+    fmt = lambda v, width: f"{'-' if v is None else f'{v:.3f}':>{width}}"   # noqa: E731
+    for name, key in (("all", None), ("seen", "seen"), ("held-out", "heldout")):
+        group = report[key] if key else report
+        line = f"{name:<10}{group['n']:>5}{fmt(group['colour_accuracy'], 10)}{fmt(group['direction_accuracy'], 11)}"
+        if audio:
+            sound = audio[key] if key else audio
+            line += f"{fmt(sound['pitch_accuracy'], 8)}{fmt(sound['timing_f1'], 8)}"
+        print(line)
     return 0
 
 

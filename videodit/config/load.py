@@ -19,7 +19,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from videodit.config.schema import LORA_TARGETS, PARALLEL_ALIASES, ZERO_STAGES, Config
+from videodit.config.schema import LORA_AUDIO_TARGETS, LORA_TARGETS, PARALLEL_ALIASES, ZERO_STAGES, Config
 from videodit.errors import UserError, os_error_message
 from videodit.user_files import read_user_text
 
@@ -210,7 +210,8 @@ def from_dict(raw: dict) -> Config:
     cfg = _build(Config, _apply_memory_aliases(_apply_parallel_aliases(raw)), prefix="")
     cfg.model = cfg.model.resolved()
     if cfg.lora.targets is None:
-        cfg.lora.targets = list(LORA_TARGETS[cfg.model.family])
+        audio = LORA_AUDIO_TARGETS.get(cfg.model.family, []) if cfg.model.train_audio else []
+        cfg.lora.targets = list(LORA_TARGETS[cfg.model.family]) + audio
     _check_consistency(cfg)
     return cfg
 

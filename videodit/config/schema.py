@@ -232,9 +232,13 @@ class ToyConfig:
     fps: int = opt(8, "toy clip frame rate", min=1)
 
 
+WEIGHT_FREE_VAE_KINDS = ("identity", "space-to-depth")   # built from nothing: vae.path is ignored
+
+
 @dataclass
 class VAEConfig:
-    kind: str = opt("identity", "identity (pixels as latents), diffusers (local folder), opensora-v1.2 "
+    kind: str = opt("identity", "identity (pixels as latents), space-to-depth (pixels folded 4x4 into 48 "
+                    "channels: the toy's stand-in for a VAE, for LTX-2's 1x1 patch), diffusers (local folder), opensora-v1.2 "
                     "(Open-Sora 1.2's VAE folder, hpcai-tech/OpenSora-VAE-v1.2), wan2.1 (Wan 2.1's VAE: a "
                     "diffusers vae/ folder or Wan2.1_VAE.pth, per-channel normalised) or wan2.2 (Wan 2.2 "
                     "TI2V-5B's VAE: a diffusers vae/ folder or Wan2.2_VAE.pth; 48 channels, 16x space), hunyuan "
@@ -242,7 +246,7 @@ class VAEConfig:
                     "channels, 4x8x8, causal) or opensora-dc-ae (Open-Sora 2.0's Video DC-AE, "
                     "F32T4C128_AE.safetensors; 128 channels, 4x32x32) or ltx2 (LTX-2's video VAE: the release file or a "
                     "diffusers AutoencoderKLLTX2Video folder; 128 channels, 8x32x32, causal, 8k+1 frames)",
-                    choices=("identity", "diffusers", "opensora-v1.2", "wan2.1", "wan2.2", "hunyuan", "opensora-dc-ae",
+                    choices=("identity", "space-to-depth", "diffusers", "opensora-v1.2", "wan2.1", "wan2.2", "hunyuan", "opensora-dc-ae",
                              "ltx2"))
     path: Optional[str] = opt(None, "local autoencoder folder or file (vae.kind=diffusers, opensora-v1.2, "
                               "wan2.1, wan2.2, hunyuan, opensora-dc-ae, ltx2)")
@@ -286,8 +290,10 @@ class TextConfig:
 
 @dataclass
 class AudioConfig:
-    kind: str = opt("none", "the frozen audio VAE of audio training (model.train_audio): none, or ltx2 (LTX-2's "
-                    "audio VAE: the release file or a diffusers LTX-2 folder with audio_vae/)", choices=("none", "ltx2"))
+    kind: str = opt("none", "the frozen audio VAE of audio training (model.train_audio): none, ltx2 (LTX-2's "
+                    "audio VAE: the release file or a diffusers LTX-2 folder with audio_vae/) or toy (weight-free: the "
+                    "mel folded into tokens, vocoded by additive synthesis; the toy world's)",
+                    choices=("none", "ltx2", "toy"))
     path: Optional[str] = opt(None, "audio.kind=ltx2: the LTX-2 release file (ltx-2-19b-* / ltx-2.3-22b-*) or a "
                               "diffusers LTX-2 folder (audio_vae/ and vocoder/)")
     subfolder: Optional[str] = opt(None, "subfolder of audio.path holding the audio VAE")
@@ -403,9 +409,14 @@ LORA_TARGETS = {"stdit": ["attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc1", 
                           "img_mlp.0", "img_mlp.2", "txt_mlp.0", "txt_mlp.2",
                           "q_proj", "k_proj", "v_mlp", "linear2"],
                 # LTX-2: LTX's trainer's to_q/to_k/to_v/to_out.0, on the video stream's self- and text
-                # attentions (the audio stream is not trained yet)
+                # attentions (LORA_AUDIO_TARGETS join them when the audio stream trains)
                 "ltx2": [f"{attention}.{projection}" for attention in ("attn1", "attn2")
                          for projection in ("to_q", "to_k", "to_v", "to_out.0")]}
+# With model.train_audio: the audio stream's attentions and the cross-modal ones, as ltx-trainer's
+# audio-video LoRA adapts every attention's to_q/to_k/to_v/to_out.0.
+LORA_AUDIO_TARGETS = {"ltx2": [f"{attention}.{projection}" for attention in
+                               ("audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
+                               for projection in ("to_q", "to_k", "to_v", "to_out.0")]}
 
 
 @dataclass
@@ -421,7 +432,8 @@ class LoraConfig:
     targets: Optional[list[str]] = opt(None, "Linear layers that get adapters: a path inside every block (attn.q, "
                                        "cross_attn.k, mlp.fc1, ...; Wan: self_attn.q, ffn.0, ... or diffusers' "
                                        "attn1.to_q, ffn.net.0.proj, ...) or a full module path (t_block.1) "
-                                       "(default: the family's self-attention and MLP)", nonempty=True)
+                                       "(default: the family's self-attention and MLP; LTX-2's attentions, with "
+                                       "model.train_audio its audio and cross-modal ones too)", nonempty=True)
     base_dtype: str = opt("auto", "how the frozen base is held: auto (bf16 when training in bf16, else as loaded), "
                           "bf16, or fp8 (block Linear weights as float8 e4m3 with a power-of-two scale per output "
                           "row, upcast per layer at compute time; norms, biases, embedders and head as auto)",
@@ -530,6 +542,9 @@ class SampleConfig:
                                          "(Wan; its recipes set Wan's default); null: the dropped-caption "
                                          "condition of training")
     cfg: float = opt(4.0, "classifier-free guidance scale (1 = off)", min=0.0)
+    audio_cfg: float = opt(7.0, "LTX-2 sampling with sound (model.train_audio): the audio stream's classifier-free "
+                           "guidance scale (LTX's audio guider: 7; 1 = off, as it is whenever sample.cfg is 1)",
+                           min=0.0)
     expert_cfg: Optional[list[float]] = opt(None, "a model.expert=both run (Wan 2.2 A14B): [low, high], each expert's "
                                             "guidance scale, as Wan's sample_guide_scale (T2V [3.0, 4.0]; default: "
                                             "sample.cfg for both)", length=2, min=0.0)

@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from videodit.data.metadata import Metadata
 
 __all__ = ["AUDIO_COLUMNS", "AudioReadError", "AudioSpec", "ClipAudio", "HOP_LENGTH", "MEL_BINS", "N_FFT",
-           "SAMPLE_RATE", "clip_audio", "frame_window", "known_audio", "log_mel", "pad_audio", "probe_audio",
+           "SAMPLE_RATE", "clip_audio", "frame_window", "known_audio", "log_mel", "mel_centres", "pad_audio", "probe_audio",
            "resample", "to_stereo"]
 
 # LTX-2's audio VAE: stereo log-mel at 16 kHz (its release config's audio_vae.preprocessing).
@@ -465,6 +465,16 @@ def _mel_to_hz(mel: np.ndarray) -> np.ndarray:
     return np.where(mel < 15, mel * 200 / 3, 1000 * np.exp(step * (mel - 15)))
 
 
+def _mel_edges() -> np.ndarray:
+    """The 66 mel points over 0-8 kHz, in Hz: bin k rises from edge k, peaks at k + 1, falls to k + 2."""
+    return _mel_to_hz(np.linspace(_hz_to_mel(0.0), _hz_to_mel(SAMPLE_RATE / 2), MEL_BINS + 2))
+
+
+def mel_centres() -> np.ndarray:
+    """Each of the 64 mel bins' centre frequency in Hz (where its filter peaks)."""
+    return _mel_edges()[1:-1]
+
+
 @functools.lru_cache(maxsize=1)
 def _mel_filters():
     """``[513, 64]`` float32: triangular filters between consecutive mel points over 0-8 kHz, each scaled
@@ -472,7 +482,7 @@ def _mel_filters():
     import torch
 
     freqs = np.linspace(0, SAMPLE_RATE // 2, N_FFT // 2 + 1)
-    edges = _mel_to_hz(np.linspace(_hz_to_mel(0.0), _hz_to_mel(SAMPLE_RATE / 2), MEL_BINS + 2))
+    edges = _mel_edges()
     rising = (freqs[:, None] - edges[None, :-2]) / (edges[1:-1] - edges[:-2])
     falling = (edges[None, 2:] - freqs[:, None]) / (edges[2:] - edges[1:-1])
     filters = np.maximum(0.0, np.minimum(rising, falling)) * (2.0 / (edges[2:] - edges[:-2]))

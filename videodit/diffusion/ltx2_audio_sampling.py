@@ -8,7 +8,7 @@ the audio VAE's ``latent_size``, ``untokens``, ``decode``, ``vocode`` and ``outp
 As LTX's pipelines (diffusers' ``LTX2Pipeline``, ltx-pipelines): the audio latents of a clip of
 ``frames / fps`` seconds are ``round(25 s)`` frames (``latent_size(seconds=...)``), drawn as
 Gaussian noise; both streams go through one schedule (``ltx2_sampler.sample_av``), the audio guided
-by LTX's audio CFG scale (:data:`AUDIO_CFG`); the tokens decode to a mel (audio VAE) and a waveform
+by its own CFG scale (``sample.audio_cfg``, LTX's :data:`AUDIO_CFG` by default); the tokens decode to a mel (audio VAE) and a waveform
 (vocoder), which is cut or padded with silence to the clip's length. Prompt k's audio noise, as its
 video noise, depends only on (seed, k), from a stream of its own.
 """
@@ -45,14 +45,14 @@ class Soundtrack:
     """A trained audio stream's sampling: its noise and text per batch (:meth:`start`) and the
     decoding of its tokens to waveforms (:meth:`waveforms`). ``encoder``: the audio VAE with vocoder."""
 
-    def __init__(self, encoder, text):
+    def __init__(self, encoder, text, cfg: float = AUDIO_CFG):
         if not hasattr(text, "encode_streams"):
             raise UserError("this run trained the audio stream but its text encoder gives no audio-stream text "
                             "(text.kind=gemma3-ltx2 does); sample with --no-audio")
         if getattr(encoder, "vocoder", None) is None:
             raise UserError("the audio VAE was built without its vocoder; point audio.path to the release file or a "
                             "diffusers LTX-2 folder with vocoder/, or sample with --no-audio")
-        self.encoder, self.text = encoder, text
+        self.encoder, self.text, self.cfg = encoder, text, cfg
 
     def tokens(self, seconds: float) -> int:
         frames = self.encoder.latent_size(seconds=seconds)[0]
@@ -70,7 +70,7 @@ class Soundtrack:
         negative = None
         if negative_prompt is not None:
             negative = self.text.encode_streams([negative_prompt])[1].float().to(device)
-        return AudioSampling(noise, context.float().to(device), negative)
+        return AudioSampling(noise, context.float().to(device), negative, self.cfg)
 
     @torch.no_grad()
     def waveforms(self, tokens: torch.Tensor, seconds: float) -> list[tuple[np.ndarray, int]]:

@@ -343,6 +343,11 @@ class ModelSpec:
         """The width of the audio tokens the model's audio stream takes, or None: no audio stream."""
         return None
 
+    def audio_text_width(self, m) -> int | None:
+        """The width of the audio stream's text that ``model.*`` (a ModelConfig) takes, or None: any
+        (or no audio stream). A text encoder built for the run (the toy one) gives it that wide."""
+        return None
+
     # ------------------------------------------------------------------ geometry, objective
 
     def patch_size(self, geometry) -> tuple[int, int, int]:

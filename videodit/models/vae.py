@@ -13,14 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from videodit.config.schema import WEIGHT_FREE_VAE_KINDS
 from videodit.errors import UserError
 from videodit.models.families import encoder_kinds, encoder_spec
 from videodit.models.vae_base import FrozenVAE
 from videodit.user_files import read_user_json
 
-OWN_VAE_KINDS = ("identity", "diffusers")   # built here; the families bring the others
+OWN_VAE_KINDS = WEIGHT_FREE_VAE_KINDS + ("diffusers",)   # built here; the families bring the others
 
 
 def vae_kinds() -> tuple[str, ...]:
@@ -90,6 +92,31 @@ class IdentityVAE(FrozenVAE):
     def decode(self, latents: Tensor, num_frames: int | None = None) -> Tensor:
         self._check_num_frames(latents, num_frames)
         return (latents.float() / self.scaling_factor).clamp(-1.0, 1.0)
+
+
+class SpaceToDepthVAE(IdentityVAE):
+    """Latents are the pixels folded 4 x 4 into channels (48 channels, 4x smaller frames): a
+    weight-free stand-in for a VAE's spatial compression, for tiny CPU runs of models whose patch
+    is 1 x 1 (LTX-2), which would otherwise see one token per pixel."""
+
+    FACTOR = 4
+
+    def __init__(self, scaling_factor: float = 1.0):
+        super().__init__(scaling_factor)
+        self.latent_channels = 3 * self.FACTOR ** 2
+        self.spatial_compression = self.FACTOR
+
+    @torch.no_grad()
+    def encode(self, video: Tensor) -> Tensor:
+        self._check_input(video)
+        frames = video.float().transpose(1, 2)                                    # [B, T, 3, H, W]
+        return F.pixel_unshuffle(frames, self.FACTOR).transpose(1, 2) * self.scaling_factor
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor, num_frames: int | None = None) -> Tensor:
+        self._check_num_frames(latents, num_frames)
+        frames = F.pixel_shuffle(latents.float().transpose(1, 2) / self.scaling_factor, self.FACTOR)
+        return frames.transpose(1, 2).clamp(-1.0, 1.0)
 
 
 # --------------------------------------------------------------------------- diffusers helpers
@@ -457,7 +484,8 @@ def build_vae(
 ) -> nn.Module:
     """Build a frozen VAE adapter.
 
-    ``kind='identity'``: :class:`IdentityVAE` (``path`` is ignored).
+    ``kind='identity'``: :class:`IdentityVAE`; ``'space-to-depth'``: :class:`SpaceToDepthVAE`
+    (``path`` is ignored).
     ``kind='diffusers'``: load the local diffusers model at ``path``/``subfolder``; the
     class named by ``_class_name`` in its config.json picks :class:`Diffusers2DVAE` or
     :class:`Diffusers3DVAE` (explicit tables above, then the name/config fallback).
@@ -471,8 +499,8 @@ def build_vae(
     if sample_posterior and kind in OWN_VAE_KINDS:
         raise UserError(f"vae.sample_posterior=true does not apply to vae.kind={kind} (only to vae.kind=hunyuan); "
                         "set it to false")
-    if kind == "identity":
-        return IdentityVAE(scaling_factor if scaling_factor is not None else 1.0)
+    if kind in WEIGHT_FREE_VAE_KINDS:
+        return (IdentityVAE if kind == "identity" else SpaceToDepthVAE)(1.0 if scaling_factor is None else scaling_factor)
     family = encoder_spec("vae_kinds", kind)
     if family is not None:   # a family's own VAE (Open-Sora 1.2's, Wan's): its spec builds it
         vae = family.build_vae(kind, path, subfolder, scaling_factor=scaling_factor, micro_batch=micro_batch,

@@ -43,11 +43,13 @@ class ToyTextEncoder(FrozenTextEncoder):
     identical on every machine and needs no file. Unknown words map to ``<unk>``.
     """
 
-    def __init__(self, dim: int = 64, max_length: int = TOY_MAX_LENGTH, seed: int = 0):
+    def __init__(self, dim: int = 64, max_length: int = TOY_MAX_LENGTH, seed: int = 0, audio_dim: int | None = None):
         super().__init__()
-        if dim < 1 or max_length < 1:
-            raise UserError(f"text.dim={dim} and text.max_length={max_length} must be positive")
+        if dim < 1 or max_length < 1 or (audio_dim is not None and audio_dim < 1):
+            raise UserError(f"text.dim={dim}, text.max_length={max_length} and the audio text width {audio_dim} "
+                            "must be positive")
         self.dim, self.max_length, self.seed = int(dim), int(max_length), int(seed)
+        self.audio_dim = self.dim if audio_dim is None else int(audio_dim)
         self.vocab = {word: i for i, word in enumerate(TOY_VOCAB)}
         generator = torch.Generator().manual_seed(self.seed)
         table = torch.randn(len(TOY_VOCAB), self.dim, generator=generator)
@@ -80,3 +82,12 @@ class ToyTextEncoder(FrozenTextEncoder):
         ids, mask = ids.to(self.token_table.device), mask.to(self.token_table.device)
         embeddings = self.token_table[ids] + self.position_table[None]
         return (embeddings * mask[..., None]).float(), mask   # float32 out, as every encoder (bf16 tables on GPUs)
+
+    @torch.no_grad()
+    def encode_streams(self, captions: list[str]) -> tuple[Tensor, Tensor, Tensor]:
+        """(video text, audio text, mask), as LTX-2's encoder gives its two streams: the audio
+        stream's is the same table read at its own width (``audio_dim``; a wider one is repeated:
+        the words stay apart either way)."""
+        y, mask = self.encode(captions)
+        repeats = -(-self.audio_dim // self.dim)
+        return y, y.repeat(1, 1, repeats)[..., : self.audio_dim].contiguous(), mask

@@ -347,7 +347,7 @@ def _write_clip(out_dir: Path, job: dict, num_frames: int, fps: float, seed: int
     return row
 
 
-TOY_FOLDER_PREFIX = "videodit-toy"   # the toy presets' data folders: videodit-toy, videodit-toy-buckets
+TOY_FOLDER_PREFIX = "videodit-toy"   # the toy presets' data folders: videodit-toy, videodit-toy-buckets, ...
 
 
 def ensure_toy_data(cfg: Config) -> None:
@@ -368,4 +368,5 @@ def ensure_toy_data(cfg: Config) -> None:
         toy = cfg.toy
         make_toy_dataset(csv.parent, clips_per_combination=toy.clips_per_combination, num_frames=toy.num_frames,
                          fps=toy.fps, sizes=[tuple(size) for size in toy.sizes],
-                         image_fraction=toy.image_fraction, seed=cfg.train.seed)
+                         image_fraction=toy.image_fraction, seed=cfg.train.seed,
+                         audio=cfg.model.train_audio)   # a run that trains sound gets soundtracks

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from videodit.config import Config, DataConfig
+from videodit.config.schema import WEIGHT_FREE_VAE_KINDS
 from videodit.data.feature_cache.audio import audio_problem
 from videodit.data.feature_cache.conditions import conditions_problem
 from videodit.errors import UserError
@@ -162,7 +163,7 @@ def encoder_identity(cfg: Config) -> dict:
     """The VAE and text encoder a config would build (and its image encoder, for a model with
     one), as the cache records them."""
     vae = {"kind": cfg.vae.kind, "scaling_factor": cfg.vae.scaling_factor}
-    if cfg.vae.kind != "identity":
+    if cfg.vae.kind not in WEIGHT_FREE_VAE_KINDS:
         vae.update(subfolder=cfg.vae.subfolder, **_model_files(cfg.vae.path, cfg.vae.subfolder))
     if cfg.vae.dtype != "fp32":   # recorded only when set, so caches from before the key still match
         vae["dtype"] = cfg.vae.dtype
