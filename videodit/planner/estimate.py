@@ -3,7 +3,9 @@
 The model (derived in ``docs/memory.md``, checked against :mod:`videodit.planner.measure`):
 
 * **Model state** from the exact parameter count (the model is built on the meta device):
-  fp32 weights, fp32 gradients, AdamW's two fp32 moments and the fp32 EMA, each divided by
+  fp32 weights and the fp32 EMA of every parameter, fp32 gradients and AdamW's two fp32 moments
+  of the trained ones (what ``ModelSpec.configure`` leaves trainable: LTX-2's audio stream is
+  frozen without ``model.train_audio``), each divided by
   the ranks that share it: pipeline stages and tensor-parallel ranks split the blocks,
   FSDP shards everything over ``dp_shard x sp`` ranks. DDP's reducer keeps its own fp32 copy of
   the gradients (its buckets) beside ``.grad``: one more gradient's worth.
@@ -104,32 +106,48 @@ class ModelCounts:
     block_params: int        # all transformer blocks together
     depth_blocks: int        # spatial + temporal blocks
     kinds: tuple[str, ...] = ()   # each block's kind (the MMDiT: double, single), in order
+    # What the run trains of them (``ModelSpec.configure``: LTX-2's audio stream is frozen unless
+    # ``model.train_audio``): gradients, optimizer state, DDP buckets; None: every parameter.
+    trained_params: int | None = None
+    trained_block_params: int | None = None
 
     @property
     def other_params(self) -> int:
         return self.num_params - self.block_params
 
+    @property
+    def trained(self) -> tuple[int, int]:
+        """(trained parameters in the blocks, outside them)."""
+        blocks = self.block_params if self.trained_block_params is None else self.trained_block_params
+        total = self.num_params if self.trained_params is None else self.trained_params
+        return blocks, total - blocks
+
 
 def count_model(geometry, model: nn.Module | None = None) -> ModelCounts:
-    """Exact parameter counts, from the model built on the meta device (no memory, no time)."""
+    """Exact parameter counts, from the model built on the meta device (no memory, no time); the
+    trained ones are those that require gradients (after ``ModelSpec.configure``, if applied)."""
     if model is None:
         with torch.device("meta"):
             model = spec_of(geometry).build(geometry)
     blocks = sum(p.numel() for b in model.blocks for p in b.parameters())
     spec = spec_of(geometry)
     return ModelCounts(sum(p.numel() for p in model.parameters()), blocks, len(model.blocks),
-                       tuple(spec.block_kind(b) for b in model.blocks))
+                       tuple(spec.block_kind(b) for b in model.blocks),
+                       sum(p.numel() for p in model.parameters() if p.requires_grad),
+                       sum(p.numel() for b in model.blocks for p in b.parameters() if p.requires_grad))
 
 
 @dataclass
 class Shape:
-    """One micro-batch on one GPU, in latent space."""
+    """One micro-batch on one GPU, in latent space; ``audio_tokens``: per sample, of a model that
+    trains its audio stream too (LTX-2's ``model.train_audio``), 0 without."""
     batch: int
     latent_frames: int
     latent_height: int
     latent_width: int
     latent_channels: int
     caption_length: int
+    audio_tokens: int = 0
 
     def tokens(self, geometry) -> int:
         """Tokens per sample: T' x H' x W' after patching (padded up, as the model pads)."""
@@ -207,6 +225,17 @@ class Estimate:
 # --------------------------------------------------------------------------- activations
 
 
+def stream_counts(tokens: int, batch: int, caption_length: int, audio_tokens: int = 0,
+                  latent: int = 0) -> dict[str, int]:
+    """How many of each thing a :class:`Saved` entry is ``on``: the video ``tokens`` given (a rank's
+    or the whole grid's), caption tokens, latent elements; with an audio stream (``audio_tokens``
+    of the micro-batch, whole on every rank) its tokens, its text (as long as the video's) and the
+    video tokens its cross-modal attentions read (``av_tokens``), all 0 without one."""
+    audio = audio_tokens > 0
+    return {"tokens": tokens, "caption": batch * caption_length, "latent": latent, "audio": audio_tokens,
+            "audio_caption": batch * caption_length if audio else 0, "av_tokens": tokens if audio else 0}
+
+
 def saved_bytes(entries: tuple[Saved, ...], dims: ActivationDims, counts: dict[str, float], parallel: Parallel,
                 precision: Precision, mode: str = "none", adapted: set[str] | None = None) -> float:
     """Bytes of a family's :class:`Saved` entries: ``counts`` gives how many tokens, caption tokens
@@ -230,8 +259,10 @@ def saved_bytes(entries: tuple[Saved, ...], dims: ActivationDims, counts: dict[s
 
 def block_activation_bytes(geometry, tokens: int, batch: int, caption_length: int,
                            parallel: Parallel, precision: Precision, mode: str = "none",
-                           compression: str = "none", lora: Lora | None = None, kind: str | None = None) -> float:
-    """Bytes one block keeps for backward, for ``tokens`` tokens on this rank.
+                           compression: str = "none", lora: Lora | None = None, kind: str | None = None,
+                           audio_tokens: int = 0) -> float:
+    """Bytes one block keeps for backward, for ``tokens`` tokens on this rank (and ``audio_tokens``
+    of the micro-batch's audio stream: :func:`stream_counts`).
 
     ``mode`` is the block's checkpointing: ``none`` keeps the family's block table, ``full`` only
     the block input, ``selective`` the matmul and attention outputs. ``lora``: the frozen base
@@ -243,7 +274,7 @@ def block_activation_bytes(geometry, tokens: int, batch: int, caption_length: in
     dims = spec.activation_dims(geometry)
     profile = spec.activation_profile(geometry) if kind is None else spec.kind_activation_profile(geometry, kind)
     if mode == "full":
-        return block_input_bytes(geometry, tokens, batch * caption_length, profile, precision)
+        return block_input_bytes(geometry, tokens, batch * caption_length, profile, precision, audio_tokens)
     total = 0.0
     adapted = None
     if lora is not None:
@@ -256,7 +287,7 @@ def block_activation_bytes(geometry, tokens: int, batch: int, caption_length: in
         if mode == "selective":   # it keeps every matmul output: the adapters' full-width ones too
             total += (tokens * lora.block_outputs + batch * caption_length * lora.caption_outputs) \
                 * precision.low_bytes
-    counts = {"tokens": tokens, "caption": batch * caption_length, "latent": 0}
+    counts = stream_counts(tokens, batch, caption_length, audio_tokens)
     total += saved_bytes(profile.block, dims, counts, parallel, precision, mode, adapted)
     if mode == "none" and compression != "none":
         total *= {"bf16": 0.5 if not precision.bf16 else 1.0, "fp8": 0.25 if not precision.bf16 else 0.5}[compression]
@@ -264,14 +295,18 @@ def block_activation_bytes(geometry, tokens: int, batch: int, caption_length: in
 
 
 def block_input_bytes(geometry, tokens: int, caption_tokens: int, profile,
-                      precision: Precision = Precision()) -> float:
+                      precision: Precision = Precision(), audio_tokens: int = 0) -> float:
     """What a fully checkpointed block keeps: its input, the rank's video tokens and, where the
     caption is a stream through the blocks (the MMDiT's text, whole on every SP rank), the
     caption tokens too, D-wide: fp32, or the compute dtype where the family's residual stream is
-    (``profile.residual_low``)."""
-    hidden = spec_of(geometry).activation_dims(geometry).hidden_size
+    (``profile.residual_low``); and a second stream's tokens (LTX-2's audio: the profile's
+    ``stream_inputs``, of a family whose profile has them)."""
+    dims = spec_of(geometry).activation_dims(geometry)
     width = precision.low_bytes if profile.residual_low else FP32
-    return (tokens + (caption_tokens if profile.caption_stream else 0)) * hidden * width
+    streams = getattr(profile, "stream_inputs", ())
+    others = saved_bytes(streams, dims, stream_counts(0, 0, 0, audio_tokens), Parallel(), precision) \
+        if streams and audio_tokens else 0.0
+    return (tokens + (caption_tokens if profile.caption_stream else 0)) * dims.hidden_size * width + others
 
 
 def activation_bytes(geometry, shape: Shape, parallel: Parallel, precision: Precision,
@@ -283,6 +318,7 @@ def activation_bytes(geometry, shape: Shape, parallel: Parallel, precision: Prec
     if parallel.pp > 1:   # one micro-batch at a time, several in flight
         shape = dataclasses.replace(shape, batch=max(1, shape.batch // parallel.microbatches))
     tokens = shape.batch * shape.tokens(geometry) // parallel.sp
+    audio = shape.batch * shape.audio_tokens   # whole on every SP rank
     blocks_here = math.ceil(num_blocks / parallel.pp)
     # The first pipeline stage holds the most: its blocks, numbered 0 .. blocks_here-1. Under PP
     # each rank chooses among its own blocks (parallelize() checkpoints the stage module), so
@@ -292,14 +328,16 @@ def activation_bytes(geometry, shape: Shape, parallel: Parallel, precision: Prec
                                                   if memory.checkpoint_blocks is not None else None))
     args = (geometry, tokens, shape.batch, shape.caption_length, parallel, precision)
     per_kind = {kind: {mode: block_activation_bytes(*args, mode=mode, compression=memory.compression, lora=lora,
-                                                    kind=kind) for mode in ("none", "full", "selective")}
+                                                    kind=kind, audio_tokens=audio)
+                       for mode in ("none", "full", "selective")}
                 for kind in dict.fromkeys(kinds_here)}
     modes = [memory.checkpointing if i in checkpointed else "none" for i in range(blocks_here)]
     kept = [per_kind[kind][mode] for kind, mode in zip(kinds_here, modes)]
     kept_blocks = sum(kept)
     if lora is not None and modes and modes[0] == "none":   # LoRA: the first block's input needs no gradient
         profile = spec_of(geometry).activation_profile(geometry)
-        kept_blocks -= block_input_bytes(geometry, tokens, shape.batch * shape.caption_length, profile, precision)
+        kept_blocks -= block_input_bytes(geometry, tokens, shape.batch * shape.caption_length, profile, precision,
+                                         audio)
     offloaded = 0.0
     if memory.offload:
         # Offloaded blocks keep nothing on the GPU once their copies finish; count one in flight.
@@ -321,12 +359,12 @@ def activation_bytes(geometry, shape: Shape, parallel: Parallel, precision: Prec
     all_tokens = shape.batch * shape.tokens(geometry)
     gathered = (profile.sp_gathered * all_tokens + profile.sp_local * tokens) * dims.hidden_size * FP32 \
         if parallel.sp > 1 else 0
-    counts = {"tokens": all_tokens, "caption": shape.batch * shape.caption_length, "latent": shape.latent_elements}
+    counts = stream_counts(all_tokens, shape.batch, shape.caption_length, audio, shape.latent_elements)
     outside = saved_bytes(profile.outside, dims, counts, dataclasses.replace(parallel, tp=1),
                           precision, adapted=None if lora is None else set(lora.block_layers)) + gathered
     if any(mode != "none" for mode in modes):   # the inputs every checkpointed block holds, once
-        outside += saved_bytes(profile.checkpoint_inputs, dims, {"tokens": tokens, "caption": counts["caption"],
-                                                                 "latent": 0}, parallel, precision)
+        outside += saved_bytes(profile.checkpoint_inputs, dims,
+                               stream_counts(tokens, shape.batch, shape.caption_length, audio), parallel, precision)
     in_flight = parallel.in_flight if parallel.pp > 1 else 1
     total = int((kept_blocks + outside) * in_flight)
     # Per block: the largest kind's (the recomputed block and backward's gradients are one block's).
@@ -334,15 +372,18 @@ def activation_bytes(geometry, shape: Shape, parallel: Parallel, precision: Prec
     return total, {"per_block_plain": int(per_block["none"]), "per_block_full": int(per_block["full"]),
                    "per_block_selective": int(per_block["selective"]), "blocks_on_rank": blocks_here,
                    "checkpointed_blocks": sum(1 for mode in modes if mode != "none"),
-                   "offloaded_bytes": int(offloaded * in_flight), "tokens_per_rank": tokens}
+                   "offloaded_bytes": int(offloaded * in_flight), "tokens_per_rank": tokens,
+                   "audio_tokens": shape.audio_tokens}   # a sample's
 
 
 # --------------------------------------------------------------------------- the whole GPU
 
 
-def local_params(counts: ModelCounts, parallel: Parallel) -> float:
-    """Parameters on one rank: blocks split over stages and TP ranks, then FSDP shards."""
-    return (counts.block_params / parallel.pp / parallel.tp + counts.other_params) / parallel.shard
+def local_params(counts: ModelCounts, parallel: Parallel, trained: bool = False) -> float:
+    """Parameters on one rank (``trained``: the trained ones): blocks split over stages and TP
+    ranks, then FSDP shards."""
+    blocks, other = counts.trained if trained else (counts.block_params, counts.other_params)
+    return (blocks / parallel.pp / parallel.tp + other) / parallel.shard
 
 
 def estimate(geometry, shape: Shape, *, parallel: Parallel = Parallel(),
@@ -362,7 +403,8 @@ def estimate(geometry, shape: Shape, *, parallel: Parallel = Parallel(),
     # gradients or optimizer state; the adapters in fp32 with both (not split by TP: an upper
     # bound, they are ~1-2% of the model).
     adapters = 0.0 if lora is None else (lora.block_params / parallel.pp + lora.other_params) / parallel.shard
-    trained = n_local if lora is None else adapters
+    trained = local_params(counts, parallel, trained=True) if lora is None else adapters
+    fp32_weights = n_local if lora is None else adapters   # a frozen part of a full fine-tune stays fp32 too
     split = parallel.pp * parallel.tp * parallel.shard   # how the block weights are divided
     base = 0.0 if lora is None else n_local * precision.low_bytes
     block_base = counts.block_params / counts.depth_blocks * precision.low_bytes   # one block's frozen weights
@@ -372,10 +414,11 @@ def estimate(geometry, shape: Shape, *, parallel: Parallel = Parallel(),
         block_base += (fp8 - lever_counts.fp8_base_params * precision.low_bytes) / counts.depth_blocks
     if lora is not None:   # block swapping moves frozen weights only (parallel/block_swap.py)
         base -= swapped_resident_saving(levers, math.ceil(counts.depth_blocks / parallel.pp), block_base)
-    params = int((trained * FP32 + base) * on_gpu) * experts
+    params = int((fp32_weights * FP32 + base) * on_gpu) * experts
     grads = int(trained * FP32 * on_gpu)
     optimizer = int(trained * optimizer_bytes_per_param(levers.optimizer) * on_gpu) * experts
-    ema_bytes = grads * experts if ema else 0
+    # The EMA shadows every parameter but a LoRA base's (train/ema.py), frozen ones included.
+    ema_bytes = int(fp32_weights * FP32 * on_gpu) * experts if ema else 0
     ddp_buckets = grads * experts if parallel.ddp else 0   # every trained parameter's, both experts' too
 
     activations, detail = activation_bytes(geometry, shape, parallel, precision, memory, counts.depth_blocks, lora,
@@ -387,6 +430,7 @@ def estimate(geometry, shape: Shape, *, parallel: Parallel = Parallel(),
     # half a plain block; on CPU activations plus this came out 1.02-1.3x the measured peak),
     # the recomputed block under checkpointing, and gathered weights.
     block_weights = counts.block_params / counts.depth_blocks / parallel.tp
+    block_grads = counts.trained[0] / counts.depth_blocks / parallel.tp   # one block's trained weights
     temporaries = 0.5 * detail["per_block_plain"]
     if memory.checkpointing != "none":
         temporaries += detail["per_block_plain"] if memory.checkpointing == "full" else 0.5 * detail["per_block_plain"]
@@ -397,7 +441,7 @@ def estimate(geometry, shape: Shape, *, parallel: Parallel = Parallel(),
         gathered = 2 if parallel.reshard else max(2, math.ceil(counts.depth_blocks / parallel.pp))
         if lora is None:   # train.fp8 gathers its converted weights in 1 byte (float8 all-gather)
             temporaries += gathered * ((block_weights - converted) * precision.low_bytes + converted) \
-                + 2 * block_weights * FP32
+                + 2 * block_grads * FP32
         else:
             adapters_block = lora.block_params / counts.depth_blocks
             temporaries += gathered * (block_weights + adapters_block) * precision.low_bytes + 2 * adapters_block * FP32

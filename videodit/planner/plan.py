@@ -24,6 +24,7 @@ from videodit.planner.distill import Distill, check_distill_layout, distill_from
 from videodit.planner.levers import Levers, count_levers, levers_from_config
 from videodit.planner.estimate import (Estimate, Lora, Parallel, Precision, Shape, count_lora, count_model,
                                       estimate, parallel_from_config, precision_from_config)
+from videodit.models.flop_count import step_costs
 from videodit.models.flops import StepFlops, train_step_flops
 from videodit.models.families import get_spec, spec_of
 from videodit.models.vae_base import CHUNK_FRAMES, latent_frames
@@ -136,7 +137,8 @@ class BucketFit:
         return {"resolution": self.resolution, "num_frames": self.num_frames, "aspect_ratio": self.ratio,
                 "height": self.height, "width": self.width, "tokens": self.tokens,
                 "config_batch_size": self.config_batch_size, "max_batch_size": self.max_batch_size,
-                "batch_size": self.batch_size, "predicted_peak_bytes": self.estimate.peak,
+                "batch_size": self.batch_size, "audio_tokens": self.estimate.detail.get("audio_tokens", 0),
+                "predicted_peak_bytes": self.estimate.peak,
                 "model_flops_per_sample": self.flops.model, "hardware_flops_per_sample": self.flops.hardware,
                 "step_flops": self.batch_size * self.flops.hardware,
                 "bytes": self.estimate.as_dict(), "fix": self.fix}
@@ -162,10 +164,17 @@ class Planner:
     world_size: int = 1         # GPUs of the job (the layout ``parallel`` is of)
     config: Any = None          # the Config planned (the advice's settings refer to it), if any
     distill: Distill | None = None   # distill.method=dmd2: critic and teacher beside the student (planner/distill.py)
+    # model.train_audio (LTX-2): the frame rate the model sees (sample.fps) and data.frame_interval,
+    # which size the clips' soundtracks' audio tokens (ModelSpec.audio_tokens); None: video alone
+    audio_fps: float | None = None
+    frame_interval: int = 1
 
     def __post_init__(self):
+        spec = spec_of(self.geometry)
         with torch.device("meta"):    # structure only: no memory, no initialisation cost
-            self.meta_model = spec_of(self.geometry).build(self.geometry)
+            self.meta_model = spec.build(self.geometry)
+        if self.config is not None:   # what the run trains: LTX-2's audio stream is frozen without train_audio
+            spec.configure(self.meta_model, self.config.model)
         self.counts = count_model(self.geometry, self.meta_model)
         self.lever_counts = count_levers(self.meta_model)
 
@@ -176,7 +185,13 @@ class Planner:
     def shape(self, batch: int, num_frames: int, height: int, width: int) -> Shape:
         s = self.latent.spatial
         return Shape(batch, self.latent.frames(num_frames), height // s, width // s, self.latent.channels,
-                     self.caption_length)
+                     self.caption_length, self.audio_tokens(num_frames))
+
+    def audio_tokens(self, num_frames: int) -> int:
+        """Audio tokens of a clip of ``num_frames`` (0: no audio stream trains)."""
+        if self.audio_fps is None:
+            return 0
+        return spec_of(self.geometry).audio_tokens(num_frames, self.audio_fps, self.frame_interval)
 
     def estimate(self, batch: int, num_frames: int, height: int, width: int, **changes) -> Estimate:
         memory = dataclasses.replace(self.memory, **changes.pop("memory", {}))
@@ -221,8 +236,20 @@ class Planner:
         """Model and hardware FLOPs of one sample's training step (fused GPU attention, this
         plan's checkpointing)."""
         shape = self.shape(1, num_frames, height, width)
-        return train_step_flops(self.geometry, 1, shape.latent_frames, shape.latent_height, shape.latent_width,
-                                self.caption_length, self.memory)
+        if not shape.audio_tokens:
+            return train_step_flops(self.geometry, 1, shape.latent_frames, shape.latent_height, shape.latent_width,
+                                    self.caption_length, self.memory)
+        return audio_step_flops(self.geometry, shape, self.memory)
+
+
+def audio_step_flops(geometry, shape: Shape, memory: MemoryConfig) -> StepFlops:
+    """``models.flops.train_step_flops`` of one sample with its audio stream (``shape.audio_tokens``):
+    the family's count with the audio tokens, the same step costs (fused GPU attention)."""
+    spec = spec_of(geometry)
+    grid = spec.token_grid(geometry, shape.latent_frames, shape.latent_height, shape.latent_width)
+    count = spec.forward_flops(geometry, *grid, shape.caption_length, audio_tokens=shape.audio_tokens)
+    kinds = spec.block_kinds(geometry) if memory.checkpoint_blocks else None
+    return StepFlops(count.total + count.backward, sum(step_costs(count, memory, True, kinds)))
 
 
 def plan_buckets(planner: Planner, buckets: list[tuple[str, int, str, int, int, int | None]],
@@ -296,9 +323,10 @@ _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def frozen_encoder_bytes(cfg: Config) -> int:
-    """GPU bytes of the frozen VAE and text encoder: the built-in ones are counted, local
-    pretrained ones from their weight files without loading them: safetensors headers give
-    the element counts (at ``vae.dtype`` / ``text.dtype``), other files count by their size."""
+    """GPU bytes of the frozen VAE and text encoder (and with ``model.train_audio`` the audio VAE):
+    the built-in ones are counted, local pretrained ones from their weight files without loading
+    them: safetensors headers give the element counts (at ``vae.dtype`` / ``text.dtype`` /
+    ``audio.dtype``), other files count by their size."""
     from pathlib import Path
 
     from videodit.components import build_text_encoder
@@ -311,18 +339,41 @@ def frozen_encoder_bytes(cfg: Config) -> int:
         text_sub = "text_encoder"   # a whole diffusers Wan folder: not its transformer/ and vae/ as well
     encoders = ((cfg.vae.path, cfg.vae.subfolder, cfg.vae.dtype), (cfg.text.path, text_sub, cfg.text.dtype))
     for path, sub, dtype in encoders:
-        target = Path(path) / sub if path and sub else Path(path) if path else None
-        if target is not None and target.is_dir():
-            total += sum(_weight_bytes(f, _DTYPE_BYTES[dtype]) for f in target.rglob("*")
-                         if f.suffix in _WEIGHT_SUFFIXES and not f.is_dir())
-        elif target is not None and target.exists() and target.suffix in _WEIGHT_SUFFIXES:   # a FIFO: refused
-            total += _weight_bytes(target, _DTYPE_BYTES[dtype])   # e.g. vae.path=Wan2.1_VAE.pth
+        total += _encoder_bytes(_target(path, sub), _DTYPE_BYTES[dtype])
+    if cfg.model.train_audio and cfg.audio.kind == "ltx2":   # the toy codec has no weights
+        total += _audio_vae_bytes(_target(cfg.audio.path, cfg.audio.subfolder), _DTYPE_BYTES[cfg.audio.dtype])
     return total
 
 
-def _weight_bytes(file, element_bytes: int) -> int:
+def _target(path, sub):
+    from pathlib import Path
+    return Path(path) / sub if path and sub else Path(path) if path else None
+
+
+def _encoder_bytes(target, element_bytes: int, prefix: str = "") -> int:
+    """Weight bytes of a folder's files (every one) or of one weight file (its tensors named
+    ``prefix*``, where its header tells); 0 for what is not there."""
+    if target is not None and target.is_dir():
+        return sum(_weight_bytes(f, element_bytes) for f in target.rglob("*")
+                   if f.suffix in _WEIGHT_SUFFIXES and not f.is_dir())
+    if target is not None and target.exists() and target.suffix in _WEIGHT_SUFFIXES:   # a FIFO: refused
+        return _weight_bytes(target, element_bytes, prefix)   # e.g. vae.path=Wan2.1_VAE.pth
+    return 0
+
+
+def _audio_vae_bytes(target, element_bytes: int) -> int:
+    """The frozen audio VAE training builds (``audio.kind=ltx2``, no vocoder): the release file's
+    ``audio_vae.*`` tensors, or a diffusers folder's ``audio_vae/`` (``models/ltx2/audio_vae.py``
+    reads the same)."""
+    if target is not None and target.is_dir() and (target / "audio_vae" / "config.json").is_file():
+        target = target / "audio_vae"
+    return _encoder_bytes(target, element_bytes, prefix="audio_vae.")
+
+
+def _weight_bytes(file, element_bytes: int, prefix: str = "") -> int:
     """Bytes of a weight file's tensors once loaded at ``element_bytes`` per element: from the
-    JSON header of a safetensors file (read as text, never executed), else the file's size."""
+    JSON header of a safetensors file (read as text, never executed; its tensors named
+    ``prefix*`` only), else the file's size."""
     import json
     import math
     import os
@@ -347,7 +398,7 @@ def _weight_bytes(file, element_bytes: int) -> int:
                     raise ValueError(size)
                 header = json.loads(handle.read(size))
                 return element_bytes * sum(math.prod(entry["shape"]) for name, entry in header.items()
-                                           if name != "__metadata__")
+                                           if name != "__metadata__" and name.startswith(prefix))
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 pass   # not a readable safetensors file: its size is the best guess
         return os.fstat(handle.fileno()).st_size
@@ -393,7 +444,20 @@ def planner_from_config(cfg: Config, gpu_bytes: int, *, world_size: int | None =
                    encoder_bytes=frozen_encoder_bytes(cfg) if encoder_bytes is None else encoder_bytes,
                    lora=count_lora(cfg.lora, geometry), experts=2 if cfg.model.expert == "both" else 1,
                    levers=levers_from_config(cfg), world_size=world_size, config=cfg,
-                   distill=distill_from_config(cfg))
+                   distill=distill_from_config(cfg), audio_fps=_audio_fps(cfg),
+                   frame_interval=cfg.data.frame_interval)
+
+
+def _audio_fps(cfg: Config) -> float | None:
+    """``model.train_audio``: the frame rate the model sees (``sample.fps``, which matches the
+    training clips' fps / data.frame_interval), which with the interval sizes each clip's
+    soundtrack; refused in one line as training refuses it (a family without an audio stream, no
+    ``audio.kind``). None: the video stream alone."""
+    if not cfg.model.train_audio:
+        return None
+    from videodit.components import check_audio_training
+    check_audio_training(cfg)
+    return float(cfg.sample.fps)
 
 
 def _cached_geometry(cfg: Config, latent: LatentGeometry | None,

@@ -125,8 +125,9 @@ def plan_summary(planner: Planner, gpu_bytes: int) -> str:
     hidden = spec_of(planner.geometry).activation_dims(planner.geometry).hidden_size
     experts = (f" x {planner.experts} experts (both held, one trained per step)" if planner.experts > 1 else "")
     experts += f" | {planner.distill.describe()}" if planner.distill is not None else ""
-    return (f"model: {planner.counts.num_params:,} parameters, {planner.counts.depth_blocks} blocks, hidden "
-            f"{hidden}{experts}{_lora_summary(planner)} | "
+    return (f"model: {planner.counts.num_params:,} parameters{_trained_summary(planner)}, "
+            f"{planner.counts.depth_blocks} blocks, hidden {hidden}{experts}{_lora_summary(planner)}"
+            f"{_audio_summary(planner)} | "
             f"per GPU: sp={p.sp} tp={p.tp} pp={p.pp} fsdp shard={p.shard} | "
             f"{'bf16 autocast' if planner.bf16 else 'fp32'} | checkpointing={m.checkpointing}"
             f"{f' every {m.checkpoint_every}' if m.checkpoint_every > 1 else ''}"
@@ -135,6 +136,19 @@ def plan_summary(planner: Planner, gpu_bytes: int) -> str:
             f"{' offload' if m.offload else ''}{f' compression={m.compression}' if m.compression != 'none' else ''}"
             f"{''.join(f' {lever}' for lever in planner.levers.describe())} | "
             f"budget {gib(planner.budget)} of {gib(gpu_bytes)} GiB ({planner.margin:.0%} margin)")
+
+
+def _trained_summary(planner: Planner) -> str:
+    """How many train, where the config freezes some (LTX-2's audio stream without model.train_audio)."""
+    trained = planner.counts.trained_params
+    if planner.lora is not None or trained is None or trained == planner.counts.num_params:
+        return ""
+    return f" ({trained * planner.experts:,} trained)"
+
+
+def _audio_summary(planner: Planner) -> str:
+    return "" if planner.audio_fps is None else \
+        f" | with its audio stream (model.train_audio): 25 audio tokens a second at {planner.audio_fps:g} fps"
 
 
 def _lora_summary(planner: Planner) -> str:
@@ -147,6 +161,8 @@ def plan_json(planner: Planner, plans: list[BucketFit], gpu_bytes: int, advice: 
               commands: Callable[[Fix], list[str]] | None = None) -> str:
     first = plans[0].estimate if plans else None
     model = {"num_params": planner.counts.num_params * planner.experts, "experts": planner.experts,
+             "trained_params": (sum(planner.counts.trained) if planner.lora is None else planner.lora.params)
+             * planner.experts, "audio_fps": planner.audio_fps,
              "levers": planner.levers.describe(),
              "params_per_gpu": int(first.detail["params_per_gpu"]) if first else 0}
     if planner.lora is not None:

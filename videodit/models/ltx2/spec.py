@@ -94,6 +94,12 @@ class LTX2Spec(ModelSpec):
     def audio_channels(self, geometry: LTX2Geometry) -> int:
         return geometry.audio_in_channels
 
+    def audio_text_width(self, m) -> int | None:
+        """LTX-2.3 takes the audio connector's output, as wide as the audio stream (heads x the
+        release's audio head size); LTX-2.0 projects text of any width."""
+        base = PRESETS.get(m.preset, LTX2_0)
+        return None if base.caption_channels is not None else m.num_heads * base.audio_head_dim
+
     # ------------------------------------------------------------------ build
 
     def geometry(self, m, latent_channels: int, caption_channels: int, caption_length: int) -> LTX2Geometry:
@@ -300,17 +306,40 @@ class LTX2Spec(ModelSpec):
 
     # ------------------------------------------------------------------ FLOPs, memory
 
-    def forward_flops(self, geometry, frames: int, positions: int, caption_tokens: int) -> FlopCount:
-        return flops.grid_flops(geometry, frames * positions, caption_tokens)
+    def forward_flops(self, geometry, frames: int, positions: int, caption_tokens: int,
+                      audio_tokens: int = 0) -> FlopCount:
+        """The video stream's; ``audio_tokens`` > 0: with the audio stream and the cross-modal
+        attentions (``model.train_audio``), that many audio tokens a sample (:meth:`audio_tokens`)."""
+        return flops.grid_flops(geometry, frames * positions, caption_tokens, audio_tokens)
+
+    def audio_tokens(self, num_frames: int, fps: float, frame_interval: int = 1) -> int:
+        """The audio tokens of a training clip of ``num_frames`` frames that the model sees at
+        ``fps``, taken every ``frame_interval``-th source frame (the planner's, with
+        ``model.train_audio``), as training makes them: the soundtrack under the frames, from the
+        first one to the end of the last, ``floor(seconds x 16 kHz)`` samples (``data/audio.py``'s
+        window), ``1 + samples // 160`` mel frames (its ``log_mel``), ``ceil(mel / 4)`` latent
+        frames (the audio VAE's encoder, ``LTX2AudioVAE.latent_frames``; the toy codec folds 4
+        too): 25 a second. Sampling makes ``round(25 x num_frames / fps)`` (``latent_size``).
+        ``tests/models/test_ltx2_spec.py`` holds it against the data side's window encoded."""
+        from fractions import Fraction
+
+        from videodit.models.ltx2.geometry import AUDIO_DOWNSAMPLE, AUDIO_HOP, AUDIO_SAMPLE_RATE
+        source_frames = (num_frames - 1) * frame_interval + 1     # data/dataset.sample_frame_indices' span
+        seconds = Fraction(source_frames) / (Fraction(fps) * frame_interval)
+        samples = int(seconds * AUDIO_SAMPLE_RATE)                  # floor: both positive
+        return -(-(1 + samples // AUDIO_HOP) // AUDIO_DOWNSAMPLE)
 
     def activation_dims(self, geometry: LTX2Geometry) -> ActivationDims:
         return ActivationDims(geometry.dim, geometry.num_heads, geometry.mlp_hidden,
                               geometry.caption_channels or geometry.dim)
 
     def activation_profile(self, geometry: LTX2Geometry):
-        """The video stream's (``activations.py``): LTX-2.3's gated, query-modulated blocks or LTX-2.0's."""
+        """Both streams' (``activations.py``): LTX-2.3's gated, query-modulated blocks or LTX-2.0's;
+        the audio stream's and cross-modal entries count audio tokens, none in a video-only step."""
         from videodit.models.ltx2.activations import profile
-        return profile(geometry.gated_attention or geometry.cross_attention_adaln, geometry.caption_channels is not None)
+        gated = geometry.gated_attention or geometry.cross_attention_adaln
+        return profile(gated, geometry.caption_channels is not None, geometry.audio_dim / geometry.dim,
+                       geometry.audio_in_channels)
 
     def parameter_scope(self) -> str:
         """What ``count_parameters`` of a preset counts (``model info``): ltx-core's transformer alone,
