@@ -34,6 +34,17 @@ def test_dry_run_measures_every_section_and_appends_one_section(tmp_path):
     text = results.read_text()
     assert text.startswith("# Benchmark results\n\nearlier sections\n")   # appended, nothing replaced
     assert text.count("\n## ") == 1 and "## GPU suite -- DRY RUN" in text
+    families = [row.split(" | ") for row in table_rows(text, "### Families (dry run)")]
+    labels = ["Wan 2.1 1.3B", "Wan 2.1 14B", "Open-Sora 2.0 MMDiT", "LTX-2.3"]
+    assert [(r[0][2:], r[4], r[5]) for r in families] == [(f, mode, compiled) for f in labels
+                                                          for compiled in ("off", "on")
+                                                          for mode in ("none", "selective", "full")]
+    assert all(float(r[6]) > 0 for r in families)                               # s/step
+    assert all(r[13] != "n/a" for r in families if r[5] == "off")               # planner / measured (CPU: eager)
+    shares = table_rows(text, "### Families: where the step's device time goes")
+    assert len(shares) == len(families)
+    for label in labels:                                                        # the top 10 of each family
+        assert len(table_rows(text, f"### Families: top kernels, {label} (")) == 10
     assert len(table_rows(text, "### MFU")) == 4                                # 2 shapes x compile off/on
     assert [row.split(" | ")[3] for row in table_rows(text, "### MFU")] == ["off", "off", "on", "on"]
     assert len(table_rows(text, "### SDPA kernel per attention kind")) == 3     # spatial, temporal, cross
@@ -61,7 +72,7 @@ def test_dry_run_measures_every_section_and_appends_one_section(tmp_path):
     if decoders == ["PyAV, CPU"]:
         assert [row for row in missing if row.startswith("| data: torchcodec CPU decode | ")], missing
         missing = [row for row in missing if not row.startswith("| data: torchcodec CPU decode | ")]
-    assert {row.split(" | ")[0][2:] for row in missing} == {"MFU", "TF32 matmuls", "lever offload",
+    assert {row.split(" | ")[0][2:] for row in missing} == {"MFU", "families MFU", "TF32 matmuls", "lever offload",
                                                            "data: NVDEC decode", "lever offload + fp8",
                                                            "lever checkpoint full + offload"}, missing
     assert "failed" not in text
