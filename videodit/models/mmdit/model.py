@@ -386,7 +386,7 @@ class MMDiT(nn.Module):
         img = self.img_in(pack(x, g.patch).to(self.img_in.weight.dtype))
         if g.cond_embed:
             if cond is None:   # no frame given: an all-zero condition, whose embedding is the bias
-                img = img + self.cond_in.bias
+                img = img + self.cond_in.bias.to(img.dtype)   # an fp32 bias would lift the stream to fp32
             else:
                 if cond.shape[1] != g.latent_channels + 1 or cond.shape[2:] != x.shape[2:]:
                     raise UserError(f"cond has shape {list(cond.shape)}; the MMDiT takes the given frames' mask and "

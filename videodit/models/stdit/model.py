@@ -88,8 +88,10 @@ class STBlock(nn.Module):
         b, frames, spatial, dim = x.shape
         if t_mod.dim() == 3:
             t_mod = t_mod[:, None]   # one modulation for every frame
+        # The table in t_mod's dtype: Open-Sora runs STDiT all in bf16, so under autocast the fp32
+        # table must not lift the modulation, and through the gates the residual stream, to fp32.
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = \
-            (self.scale_shift_table + t_mod).unsqueeze(-2).unbind(-3)   # each [B, T or 1, 1, D]
+            (self.scale_shift_table.to(t_mod.dtype) + t_mod).unsqueeze(-2).unbind(-3)   # each [B, T or 1, 1, D]
 
         h = modulate(self.norm1(x), shift_a, scale_a)
         if self.temporal:
