@@ -32,9 +32,11 @@ def base(toy_dir, **extra):
     return tiny_overrides(toy_dir, **values)
 
 
-def run_layouts(toy_dir, tmp_path, nproc: int, runs: dict[str, list[str]], steps: int = STEPS) -> dict[str, dict]:
-    spec = {"out": str(tmp_path), "runs": [{"name": name, "overrides": overrides, "steps": steps}
-                                           for name, overrides in runs.items()]}
+def run_layouts(toy_dir, tmp_path, nproc: int, runs: dict[str, list[str]], steps: int = STEPS,
+                options: dict[str, dict] | None = None) -> dict[str, dict]:
+    """``options``: a run's further worker keys, by name (``{"fsdp": "torch_defaults"}``)."""
+    spec = {"out": str(tmp_path), "runs": [{"name": name, "overrides": overrides, "steps": steps,
+                                            **(options or {}).get(name, {})} for name, overrides in runs.items()]}
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps(spec))
     result = torchrun(nproc, str(WORKER), str(spec_file))
@@ -92,6 +94,40 @@ def test_two_processes_match_one(toy_dir, tmp_path):
     assert "[2, 3, 1, 16, 16]" in got["sp_image"]["keys"][0][0][1]
 
 
+# STDiT's blocks in execution order (model.depth=2): what FSDP2's prefetching must follow.
+STDIT_BLOCKS = ["spatial_blocks.0", "temporal_blocks.0", "spatial_blocks.1", "temporal_blocks.1"]
+
+
+def expected_schedule(blocks: list[str], *, reshard: bool) -> dict[str, dict]:
+    """videodit's FSDP2 schedule (``parallelize.apply_fsdp``): every block reshards as
+    ``parallel.reshard_after_forward`` says but the last, the root never; each block prefetches
+    the next one in forward and the previous one in backward."""
+    schedule = {"<root>": {"reshard": False, "forward": [], "backward": []}}
+    for i, name in enumerate(blocks):
+        schedule[name] = {"reshard": reshard and i < len(blocks) - 1, "forward": blocks[i + 1:i + 2],
+                          "backward": blocks[max(i - 1, 0):i]}
+    return schedule
+
+
+def test_fsdp_schedule_is_the_policy_and_leaves_the_math_alone(toy_dir, tmp_path):
+    """Issue #40: the prefetch and reshard settings apply_fsdp chooses are those FSDP2 runs with
+    (ZeRO-3 and ZeRO-2-like), and they change when weights are gathered, not what is computed:
+    two steps under dp_shard=2 match torch's defaults (implicit prefetch, root resharded) bit for bit."""
+    video = base(toy_dir, **{"model.depth": 2})
+    got = run_layouts(toy_dir, tmp_path, 2, {
+        "fsdp": video + ["parallel.dp_shard=2"],
+        "fsdp_torch_defaults": video + ["parallel.dp_shard=2"],
+        "fsdp_zero2": video + ["zero_stage=2"],
+    }, steps=2, options={"fsdp_torch_defaults": {"fsdp": "torch_defaults"}})
+    assert got["fsdp"]["fsdp_schedule"] == expected_schedule(STDIT_BLOCKS, reshard=True)
+    assert got["fsdp_zero2"]["fsdp_schedule"] == expected_schedule(STDIT_BLOCKS, reshard=False)
+    defaults = got["fsdp_torch_defaults"]["fsdp_schedule"]
+    assert defaults["<root>"]["reshard"] and not any(u["forward"] or u["backward"] for u in defaults.values())
+    for name in ("fsdp_torch_defaults", "fsdp_zero2"):
+        assert got[name]["losses"] == got["fsdp"]["losses"], name
+        assert all(torch.equal(w, got[name]["weights"][k]) for k, w in got["fsdp"]["weights"].items()), name
+
+
 def test_four_processes_hsdp_and_sp_times_dp(toy_dir, tmp_path):
     video = base(toy_dir)
     got = run_layouts(toy_dir, tmp_path, 4, {
@@ -103,6 +139,8 @@ def test_four_processes_hsdp_and_sp_times_dp(toy_dir, tmp_path):
     accum2 = single_process(video + ["train.grad_accum=2"], tmp_path / "ref2")
     assert_matches(got["sp_dp"], accum2)
     assert_matches(got["sp_fsdp"], accum2)
+    for name in ("hsdp", "sp_fsdp"):   # the 2D mesh and the dp_shard x sp group: the same schedule
+        assert got[name]["fsdp_schedule"] == expected_schedule(STDIT_BLOCKS[:2], reshard=True), name
     seeds = seeds_by_rank(got["sp_dp"])   # mesh order: ranks 0,1 form one SP group, 2,3 the other
     assert seeds[0] == seeds[1] and seeds[2] == seeds[3] and seeds[0] != seeds[2]
 
@@ -161,6 +199,9 @@ def test_four_process_hybrids_match_one_process(mixed_toy, tmp_path):
     assert_matches(got["tp_dp"], accum2)
     assert_matches(got["pp_dp"], accum2)
     assert_matches(got["sp_tp"], single_process(runs, tmp_path / "ref1"))
+    # A pipeline schedule interleaves micro-batches: no block-order prefetching under it.
+    assert not any(u["forward"] or u["backward"] for u in got["pp_dp"]["fsdp_schedule"].values())
+    assert got["tp_dp"]["fsdp_schedule"] == expected_schedule(STDIT_BLOCKS, reshard=True)   # bucketed: depth 2
 
 
 def test_checkpoint_saved_under_one_hybrid_resumes_under_another(mixed_toy, tmp_path):

@@ -247,7 +247,9 @@ def apply_fsdp(parts: list[nn.Module], roots: list[nn.Module], ctx: DistContext,
                param_dtype: torch.dtype | None) -> None:
     """FSDP2 on every block of each part (the model, or each expert of a two-expert model),
     then on each expert (its embedders and head: an expert that sits out a step is never
-    gathered), then on each root (the model, or each pipeline stage).
+    gathered), then on each root (the model, or each pipeline stage), with the schedule of
+    :func:`block_reshards`, :func:`set_block_prefetch` and ``reshard_after_forward=False`` on
+    the expert and root units (docs/parallelism.md, "FSDP2 schedule").
 
     Gradients are reduced in fp32 and the sharded master weights stay fp32; only the
     gathered compute copy is ``param_dtype``. HSDP uses a 2D mesh: replicate x shard.
@@ -261,9 +263,39 @@ def apply_fsdp(parts: list[nn.Module], roots: list[nn.Module], ctx: DistContext,
     for part in parts:
         blocks = part.blocks
         for i, block in enumerate(blocks):
-            # The last block's weights are needed again first in backward: never reshard them.
-            fully_shard(block, reshard_after_forward=cfg.reshard_after_forward and i < len(blocks) - 1, **options)
-        if len(parts) > 1:
-            fully_shard(part, reshard_after_forward=cfg.reshard_after_forward, **options)
+            fully_shard(block, reshard_after_forward=block_reshards(cfg, i, len(blocks)), **options)
+        if len(parts) > 1:   # the expert's embedders and head, gathered through its backward anyway
+            fully_shard(part, reshard_after_forward=False, **options)
+        if ctx.dims.pp == 1:   # a pipeline schedule interleaves micro-batches: its own order
+            set_block_prefetch(blocks)
     for root in roots:
-        fully_shard(root, reshard_after_forward=cfg.reshard_after_forward, **options)
+        # Its head runs last in forward and first in backward, and its unit stays gathered
+        # through the whole backward: resharding after forward would only add an all-gather.
+        # torch < 2.8 forced this on a root; later versions take the argument as given. A
+        # pipeline stage too (as torchtitan): its root holds at most the embedders or the head.
+        fully_shard(root, reshard_after_forward=False, **options)
+
+
+def block_reshards(cfg: ParallelConfig, index: int, count: int) -> bool:
+    """``reshard_after_forward`` of block ``index`` of ``count``: as ``parallel.reshard_after_forward``
+    says (ZeRO-3 or ZeRO-2-like), except the last block, whose backward starts right after its
+    forward: resharding it would free its weights only to gather them again (torchtitan's choice)."""
+    return cfg.reshard_after_forward and index < count - 1
+
+
+def set_block_prefetch(blocks: list[nn.Module]) -> None:
+    """Each block's forward starts the all-gather of the next block, and each backward that of
+    the previous block, so the weights arrive while a block computes rather than after it.
+
+    Backward is what FSDP2 infers from the forward order anyway, made explicit. In forward
+    FSDP2 issues a block's all-gather only when the CPU reaches that block; issued from the
+    previous block's start instead, it still overlaps that block's compute when the CPU does
+    not run ahead of the GPU (launch-bound small blocks, a host sync). One block ahead keeps
+    at most two blocks gathered, as before (the planner's count)."""
+    if len(blocks) < 2 or not hasattr(blocks[0], "set_modules_to_forward_prefetch"):   # torch >= 2.6 has it
+        return
+    for i, block in enumerate(blocks):
+        if i + 1 < len(blocks):
+            block.set_modules_to_forward_prefetch([blocks[i + 1]])
+        if i > 0:
+            block.set_modules_to_backward_prefetch([blocks[i - 1]])

@@ -435,9 +435,10 @@ def estimate(geometry, shape: Shape, *, parallel: Parallel = Parallel(),
     if memory.checkpointing != "none":
         temporaries += detail["per_block_plain"] if memory.checkpointing == "full" else 0.5 * detail["per_block_plain"]
     if parallel.shard > 1 or parallel.cpu_offload:
-        # FSDP gathers the current and the prefetched block, and their unsharded gradients;
-        # without resharding (parallel.reshard_after_forward=false) every block of the rank stays
-        # gathered from its forward until its backward.
+        # FSDP gathers the current and the prefetched block, and their unsharded gradients (at
+        # backward's start: the last block, never resharded, and the one its backward prefetches;
+        # parallel/parallelize.py, apply_fsdp); without resharding (parallel.reshard_after_forward=
+        # false) every block of the rank stays gathered from its forward until its backward.
         gathered = 2 if parallel.reshard else max(2, math.ceil(counts.depth_blocks / parallel.pp))
         if lora is None:   # train.fp8 gathers its converted weights in 1 byte (float8 all-gather)
             temporaries += gathered * ((block_weights - converted) * precision.low_bytes + converted) \
