@@ -70,9 +70,10 @@ def check_audio_training(cfg: Config) -> None:
     if cfg.model.train_audio and kind == "none":
         raise UserError(f"model.train_audio needs the audio VAE that makes the audio stream's latents: set "
                         f"audio.kind={spec.audio_kinds[0]} and audio.path (the release file or a diffusers folder)")
-    if kind != "none" and kind not in spec.audio_kinds + OWN_AUDIO_KINDS * bool(spec.audio_kinds):
+    allowed = spec.audio_kinds + (OWN_AUDIO_KINDS if spec.audio_kinds else ())   # the toy's: any audio stream
+    if kind != "none" and kind not in allowed:
         raise UserError(f"audio.kind={kind} is not an audio VAE of the {family} family (its: "
-                        f"{', '.join(spec.audio_kinds) or 'none'}); set audio.kind=none")
+                        f"{', '.join(allowed) or 'none'}); set audio.kind=none")
 
 
 def build_audio_encoder(cfg: Config, device: torch.device, vocoder: bool = False):
