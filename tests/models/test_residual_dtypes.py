@@ -16,53 +16,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tiny_families import build
+
 FP32, BF16 = torch.float32, torch.bfloat16
-
-
-def _stdit():
-    from videodit.models.stdit.model import DiTGeometry, STDiT
-    model = STDiT(DiTGeometry(in_channels=3, caption_channels=8, caption_length=4, depth=2, hidden_size=32,
-                              num_heads=4))
-    y_mask = torch.tensor([[True, True, True, False], [True, True, True, True]])
-    return model, lambda: model(torch.randn(2, 3, 4, 8, 8), torch.rand(2), torch.randn(2, 4, 8), y_mask)
-
-
-def _wan():
-    from videodit.models.wan.model import WanDiT, WanGeometry
-    model = WanDiT(WanGeometry(dim=32, ffn_dim=64, num_heads=2, num_layers=2, in_channels=4, out_channels=4,
-                               freq_dim=32, text_dim=16, text_len=6))
-    return model, lambda: model(torch.randn(2, 4, 3, 8, 8), torch.rand(2), torch.randn(2, 6, 16))
-
-
-def _mmdit(given: bool):
-    from videodit.models.mmdit.model import MMDiT, MMDiTGeometry
-    model = MMDiT(MMDiTGeometry(hidden_size=64, num_heads=2, depth=2, depth_single_blocks=2, latent_channels=4,
-                                vec_in_dim=16, context_in_dim=32, axes_dim=(8, 12, 12)))
-    cond = torch.randn(2, 5, 3, 8, 6) if given else None   # None: no frame given, cond_in's bias alone
-    return model, lambda: model(torch.randn(2, 4, 3, 8, 6), torch.rand(2), torch.randn(2, 5, 32),
-                                torch.randn(2, 16), cond)
-
-
-def _ltx2(audio: bool):
-    from videodit.models.ltx2.geometry import LTX2Geometry
-    from videodit.models.ltx2.model import LTX2Model
-    model = LTX2Model(LTX2Geometry(num_layers=2, num_heads=2, head_dim=16, audio_head_dim=8, in_channels=8,
-                                   audio_in_channels=8, caption_channels=None, gated_attention=True,
-                                   cross_attention_adaln=True))
-    video = (torch.randn(2, 8, 3, 4, 6), torch.rand(2), torch.randn(2, 5, 32))
-    if not audio:
-        return model, lambda: model(*video)
-    return model, lambda: model(*video, audio=torch.randn(2, 7, 8), audio_context=torch.randn(2, 5, 16))
 
 
 # family -> (build, residual dtype, modulation dtype) as the reference keeps them under bf16
 REFERENCE = {
-    "wan": (_wan, FP32, FP32),
-    "stdit": (_stdit, BF16, BF16),
-    "mmdit": (lambda: _mmdit(True), BF16, BF16),
-    "mmdit-no-frame-given": (lambda: _mmdit(False), BF16, BF16),
-    "ltx2": (lambda: _ltx2(False), BF16, BF16),
-    "ltx2-audio": (lambda: _ltx2(True), BF16, BF16),
+    "wan": (lambda: build("wan", 2), FP32, FP32),
+    "stdit": (lambda: build("stdit", 2), BF16, BF16),
+    "mmdit": (lambda: build("mmdit", 2), BF16, BF16),
+    "mmdit-no-frame-given": (lambda: build("mmdit", 2, given=False), BF16, BF16),
+    "ltx2": (lambda: build("ltx2", 2), BF16, BF16),
+    "ltx2-audio": (lambda: build("ltx2", 2, audio=True), BF16, BF16),
 }
 
 

@@ -24,48 +24,14 @@ import pytest
 import torch
 from torch import nn
 
+from tiny_families import build
 from videodit.models.families import spec_of
 from videodit.parallel.activation_checkpoint import checkpoint_module
 
 
-def _stdit():
-    from videodit.models.stdit.model import DiTGeometry, STDiT
-    model = STDiT(DiTGeometry(in_channels=3, caption_channels=8, caption_length=4, depth=1, hidden_size=32,
-                              num_heads=4))
-    y_mask = torch.tensor([[True, True, True, False], [True, True, True, True]])
-    return model, lambda: model(torch.randn(2, 3, 4, 8, 8), torch.rand(2), torch.randn(2, 4, 8), y_mask)
-
-
-def _wan():
-    from videodit.models.wan.model import WanDiT, WanGeometry
-    model = WanDiT(WanGeometry(dim=32, ffn_dim=64, num_heads=2, num_layers=1, in_channels=4, out_channels=4,
-                               freq_dim=32, text_dim=16, text_len=6))
-    return model, lambda: model(torch.randn(2, 4, 3, 8, 8), torch.rand(2), torch.randn(2, 6, 16))
-
-
-def _mmdit():
-    from videodit.models.mmdit.model import MMDiT, MMDiTGeometry
-    model = MMDiT(MMDiTGeometry(hidden_size=64, num_heads=2, depth=1, depth_single_blocks=1, latent_channels=4,
-                                vec_in_dim=16, context_in_dim=32, axes_dim=(8, 12, 12)))
-    y_mask = torch.tensor([[True, True, True, False, False], [True] * 5])   # the caption's key mask too
-    return model, lambda: model(torch.randn(2, 4, 3, 8, 6), torch.rand(2), torch.randn(2, 5, 32),
-                                torch.randn(2, 16), torch.randn(2, 5, 3, 8, 6), y_mask)
-
-
-def _ltx2(audio: bool):
-    from videodit.models.ltx2.geometry import LTX2Geometry
-    from videodit.models.ltx2.model import LTX2Model
-    model = LTX2Model(LTX2Geometry(num_layers=1, num_heads=2, head_dim=16, audio_head_dim=8, in_channels=8,
-                                   audio_in_channels=8, caption_channels=None, gated_attention=True,
-                                   cross_attention_adaln=True))
-    video = (torch.randn(2, 8, 3, 4, 6), torch.rand(2), torch.randn(2, 5, 32))
-    if not audio:
-        return model, lambda: model(*video)
-    return model, lambda: model(*video, audio=torch.randn(2, 7, 8), audio_context=torch.randn(2, 5, 16))
-
-
-FAMILIES = {"stdit": _stdit, "wan": _wan, "mmdit": _mmdit, "ltx2": lambda: _ltx2(False),
-            "ltx2-audio": lambda: _ltx2(True)}
+FAMILIES = {"stdit": lambda: build("stdit", 1), "wan": lambda: build("wan", 1),
+            "mmdit": lambda: build("mmdit", 1, masked=True),   # the caption's key mask too
+            "ltx2": lambda: build("ltx2", 1), "ltx2-audio": lambda: build("ltx2", 1, audio=True)}
 KINDS = {"stdit": {"spatial", "temporal"}, "wan": {"block"}, "mmdit": {"double", "single"},
          "ltx2": {"block"}, "ltx2-audio": {"block"}}
 
